@@ -1,0 +1,22 @@
+"""bert_port: a from-scratch PyTorch BERT that loads and saves Hugging Face checkpoints."""
+
+from .bert import BertLayer, BertModel, BertSelfAttention, ModelOutput
+from .base_bert import BertPreTrainedModel
+from .checkpoint import CheckpointError
+from .config import BertConfig, ConfigError
+from .tokenization import encode, load_tokenizer
+from .utils import get_extended_attention_mask
+
+__all__ = [
+    "BertConfig",
+    "BertLayer",
+    "BertModel",
+    "BertPreTrainedModel",
+    "BertSelfAttention",
+    "CheckpointError",
+    "ConfigError",
+    "ModelOutput",
+    "encode",
+    "get_extended_attention_mask",
+    "load_tokenizer",
+]

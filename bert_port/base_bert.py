@@ -1,0 +1,229 @@
+"""`BertPreTrainedModel`: weight initialisation, `from_pretrained`, `save_pretrained`.
+
+Loading builds the model on the meta device and assigns the checkpoint's tensors in
+place, so no random initialisation is computed and thrown away and no second copy of the
+weights is held. Every missing, unexpected or mis-shaped tensor is reported in one error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from . import checkpoint as ckpt
+from .config import BertConfig
+
+log = logging.getLogger(__name__)
+
+
+class BertPreTrainedModel(nn.Module):
+    # Port keys (by prefix) that a checkpoint may lack: they are initialised afresh and
+    # reported, e.g. a classifier head when fine-tuning from a base checkpoint.
+    keys_to_init_if_missing: ClassVar[tuple[str, ...]] = ()
+    # Prefix that HF gives the encoder's keys in this model's own checkpoints.
+    hf_encoder_prefix: ClassVar[str] = ""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.source_dir: Path | None = None  # checkpoint directory, for its tokenizer files
+
+    # -- initialisation ---------------------------------------------------------------
+
+    def init_weights(self) -> None:
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """HF's BERT init: N(0, initializer_range) for linear and embedding weights, zero
+        biases and padding row, LayerNorm at identity."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # -- loading ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        config: BertConfig | None = None,
+        config_file: str | os.PathLike | None = None,
+        check_finite: str = "error",
+        **kwargs,
+    ):
+        """Load an HF BERT checkpoint: a directory, a weights file (with `config.json`
+        beside it or `config_file=`), or a model id found in the local HF cache.
+
+        dtype: cast floating weights to it; None keeps the checkpoint's dtype.
+        device: where the weights go (default CPU).
+        check_finite: "error" (default), "warn" or "ignore" for NaN/Inf weights.
+        Other keyword arguments override config fields (e.g. `attn_implementation="eager"`)
+        or go to the constructor (e.g. `add_pooling_layer=False`). Returns the model in
+        eval mode.
+        """
+        files = ckpt.locate_checkpoint(path, config_file)
+        init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
+        if config is None:
+            config = BertConfig.from_json_file(files.config_file, **kwargs)
+        elif kwargs:
+            config = BertConfig.from_dict(config.to_dict(), attn_implementation=config.attn_implementation, **kwargs)
+        state = ckpt.read_weights(files.weights_file)
+        with torch.device("meta"):
+            model = cls(config, **init_kwargs)
+        model.load_hf_state_dict(state, dtype=dtype, device=device, check_finite=check_finite, source=str(files.weights_file))
+        model.source_dir = files.directory
+        return model.eval()
+
+    @classmethod
+    def _init_kwarg_names(cls) -> set[str]:
+        import inspect
+
+        return set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
+
+    def load_hf_state_dict(
+        self,
+        state_dict: dict[str, Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        check_finite: str = "error",
+        source: str = "state dict",
+    ) -> list[str]:
+        """Load an HF-named state dict strictly. Returns the keys initialised afresh.
+
+        Raises `CheckpointError` listing every missing, unexpected and mis-shaped key
+        before anything is written into the model.
+        """
+        conversion = ckpt.hf_to_port(state_dict)
+        incoming = conversion.state_dict
+        expected = {k: v for k, v in self.state_dict().items()}
+
+        missing = [k for k in expected if k not in incoming]
+        new_keys = [k for k in missing if k.startswith(self.keys_to_init_if_missing)]
+        missing = [k for k in missing if k not in new_keys]
+        unexpected = [k for k in incoming if k not in expected]
+        unused = [k for k in unexpected if self._is_unused_ok(k)]
+        unexpected = [k for k in unexpected if k not in unused]
+        mismatched = [k for k in incoming if k in expected and incoming[k].shape != expected[k].shape]
+
+        if missing or unexpected or mismatched:
+            raise ckpt.CheckpointError(self._describe_mismatch(source, incoming, expected, missing, unexpected, mismatched))
+        if check_finite != "ignore":
+            bad = ckpt.non_finite(incoming)
+            if bad:
+                msg = f"{source} has non-finite weights: " + "; ".join(bad)
+                if check_finite == "error":
+                    raise ckpt.CheckpointError(msg + ". Pass check_finite='warn' to load it anyway")
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        if unused:
+            log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(unused))
+
+        device = torch.device(device) if device is not None else None
+        prepared = {}
+        for key, tensor in incoming.items():
+            if key in unused:
+                continue
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            if device is not None:
+                tensor = tensor.to(device)
+            prepared[key] = tensor
+        self.load_state_dict(prepared, strict=False, assign=True)
+        if new_keys:
+            self._materialize_new(new_keys, dtype, device)
+            log.warning("%s: newly initialised (not in the checkpoint): %s", type(self).__name__, ", ".join(new_keys))
+        return new_keys
+
+    def _is_unused_ok(self, key: str) -> bool:
+        # A checkpoint's pooler is fine to ignore for a model built without one.
+        return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not getattr(self, "add_pooling_layer", True)
+
+    def _materialize_new(self, keys: list[str], dtype: torch.dtype | None, device: torch.device | None) -> None:
+        owners = {k.rsplit(".", 1)[0] for k in keys}
+        reference = next(p for p in self.parameters() if not p.is_meta)
+        for name in owners:
+            module = self.get_submodule(name)
+            module.to_empty(device=device or reference.device, recurse=False)
+            self._init_weights(module)
+            module.to(dtype or reference.dtype)
+
+    @staticmethod
+    def _describe_mismatch(source, incoming, expected, missing, unexpected, mismatched) -> str:
+        lines = [f"cannot load {source}: the checkpoint does not fit the model."]
+        if missing:
+            lines.append(f"  missing ({len(missing)}), the model needs these and the checkpoint lacks them:")
+            lines += [f"    {k}: expected {tuple(expected[k].shape)}" for k in missing]
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}), in the checkpoint but not in the model:")
+            lines += [f"    {k}: {tuple(incoming[k].shape)}" for k in unexpected]
+        if mismatched:
+            lines.append(f"  wrong shape ({len(mismatched)}):")
+            lines += [
+                f"    {k}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}" for k in mismatched
+            ]
+            lines.append(
+                "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "
+                "the config belongs to these weights."
+            )
+        lines.append("Nothing was loaded. Check that the checkpoint is a BERT model matching its config.json.")
+        return "\n".join(lines)
+
+    # -- saving -----------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The state dict under Hugging Face names (the inverse of the key table)."""
+        return ckpt.port_to_hf(self.state_dict(), encoder_prefix=self.hf_encoder_prefix)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> Path:
+        """Write an HF-format checkpoint that `transformers` loads: `config.json`,
+        `model.safetensors` (or shards and an index above `max_shard_size`) and, when the
+        model was loaded from a directory with tokenizer files, those files. Every file is
+        written to a temporary name and renamed into place."""
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config["architectures"] = [self.hf_architecture]
+        ckpt.write_weights(self.hf_state_dict(), out, max_shard_size)
+        import json
+
+        ckpt.write_text_atomic(out / ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if self.source_dir is not None and Path(self.source_dir).resolve() != out.resolve():
+            for name in ckpt.TOKENIZER_FILES:
+                src = Path(self.source_dir) / name
+                if src.is_file():
+                    with ckpt.atomic_write(out / name) as tmp:
+                        shutil.copyfile(src, tmp)
+        return out
+
+    @property
+    def hf_architecture(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,180 @@
+"""`BertConfig`: the Hugging Face BERT configuration as a plain dataclass.
+
+Field names and defaults are those of `transformers.BertConfig` (the bert-base-uncased
+values), so a `config.json` written by Hugging Face reads in unchanged and is written back
+unchanged: fields this port does not use are kept in `extra` and round-trip untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Activations a config may name in `hidden_act`; the functions live in `utils.ACT2FN`.
+# Kept here as names only so that validating a config needs no torch import.
+SUPPORTED_ACTIVATIONS = (
+    "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast",
+    "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu", "silu",
+    "swish", "tanh", "sigmoid", "mish", "linear", "hardswish", "laplace", "sqrtsoftplus",
+)  # fmt: skip
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+# Fields every BERT config.json must carry; the rest fall back to HF's defaults.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+class ConfigError(ValueError):
+    """A BERT configuration that cannot describe a model this port can build."""
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int = 30522  # WordPiece vocabulary (bert-base-uncased)
+    hidden_size: int = 768  # width of every hidden state
+    num_hidden_layers: int = 12  # transformer blocks
+    num_attention_heads: int = 12  # heads per block; must divide hidden_size
+    intermediate_size: int = 3072  # FFN inner width
+    hidden_act: str = "gelu"  # FFN activation, HF ACT2FN name
+    hidden_dropout_prob: float = 0.1  # dropout on embeddings and residual branches
+    attention_probs_dropout_prob: float = 0.1  # dropout on attention probabilities
+    max_position_embeddings: int = 512  # longest sequence the position table covers
+    type_vocab_size: int = 2  # segment (token type) vocabulary
+    initializer_range: float = 0.02  # std of the normal init
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    position_embedding_type: str = "absolute"  # only "absolute" is supported
+    is_decoder: bool = False  # causal self-attention when True
+    add_cross_attention: bool = False  # not supported; must stay False
+    classifier_dropout: float | None = None  # head dropout; None -> hidden_dropout_prob
+    # Sequence classification (HF keeps these on every PreTrainedConfig).
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    problem_type: str | None = None  # "single_label_classification" | "regression" | ...
+    # Runtime choice, not part of the checkpoint: never written to config.json.
+    attn_implementation: str = "sdpa"
+    # Every config.json field this dataclass does not model, kept verbatim.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.id2label is not None:
+            # JSON object keys are strings; HF turns them back into ints.
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+        if self.label2id is None and self.id2label is not None:
+            self.label2id = {v: k for k, v in self.id2label.items()}
+        self.validate()
+
+    # -- validation -------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming every invalid field, with what to do about it."""
+        problems = []
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.hidden_size % self.num_attention_heads != 0:
+            problems.append(
+                f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+                problems.append(f"{name} must be in [0, 1), got {value!r}")
+        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
+            problems.append(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            problems.append(
+                f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.position_embedding_type != "absolute":
+            problems.append(
+                f"position_embedding_type {self.position_embedding_type!r} is not supported "
+                "(transformers 5 BERT supports only 'absolute')"
+            )
+        if self.add_cross_attention:
+            problems.append(
+                "add_cross_attention=True is not supported: this port implements the BERT encoder and "
+                "causal decoder without cross-attention or KV cache"
+            )
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            problems.append(
+                f"attn_implementation {self.attn_implementation!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}"
+            )
+        pad = self.pad_token_id
+        if pad is not None and isinstance(self.vocab_size, int) and not (0 <= pad < self.vocab_size):
+            problems.append(f"pad_token_id {pad} is outside the vocabulary [0, {self.vocab_size})")
+        if problems:
+            raise ConfigError("Invalid BERT config:\n  - " + "\n  - ".join(problems))
+
+    # -- derived ----------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label) if self.id2label else 2
+
+    # -- HF config.json ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> BertConfig:
+        """Build from a `config.json` dict; unknown keys go to `extra`, `overrides` win."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
+        data = {**data, **overrides}
+        missing = [name for name in REQUIRED_FIELDS if name not in data]
+        if missing:
+            raise ConfigError(
+                f"config is missing required field(s) {', '.join(missing)}; a BERT config.json "
+                "must give at least " + ", ".join(REQUIRED_FIELDS)
+            )
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if "num_labels" in data and "id2label" not in data:
+            kwargs["id2label"] = {i: f"LABEL_{i}" for i in range(int(data["num_labels"]))}
+        extra = {k: v for k, v in data.items() if k not in known and k != "num_labels"}
+        try:
+            return cls(**kwargs, extra=extra)
+        except TypeError as exc:  # e.g. a field of the wrong JSON type
+            raise ConfigError(f"invalid BERT config: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `config.json` dict: HF's fields, then every unknown field that was read."""
+        out: dict[str, Any] = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "attn_implementation"):
+                continue
+            value = getattr(self, f.name)
+            if f.name in ("id2label", "label2id", "problem_type") and value is None:
+                continue
+            if f.name == "id2label":
+                value = {str(k): v for k, v in value.items()}
+            out[f.name] = value
+        out.setdefault("model_type", "bert")
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike, **overrides: Any) -> BertConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"no config file at {path}; a checkpoint directory needs a config.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint") from None
+        try:
+            return cls.from_dict(data, **overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

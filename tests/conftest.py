@@ -1,0 +1,135 @@
+"""Shared fixtures: a tiny config, seeded RNG, the bundled real checkpoint, a rebuilt
+bert-base-uncased-layout checkpoint, and the tolerance table used by parity tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_port.assets import minilm_dir
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+# Tolerances for comparisons with transformers, by dtype (atol, rtol). fp32 differences
+# come only from kernel choice (eager paths are bitwise equal); half-precision rows are
+# overridden per test by the measured transformers eager-vs-sdpa spread.
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=5e-2, rtol=5e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+}
+# The issue's bar for the real checkpoint: max abs difference on real tokens.
+REAL_CHECKPOINT_ATOL = 5e-6
+
+REAL_SENTENCES = [
+    "the rock is destined to be the 21st century's new \" conan \" and that he's going to make a splash even greater than arnold schwarzenegger.",
+    "A gripping, beautifully shot film that never lets go.",
+    "I wouldn't recommend this restaurant to anyone.",
+    "Go until jurong point, crazy.. Available only in bugis n great world la e buffet...",
+    "naïve café owners résumé: Ünïcödé and 中文 characters too!",
+    "ok",
+]
+
+TINY = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+    max_position_embeddings=64,
+    type_vocab_size=2,
+    initializer_range=0.02,
+    layer_norm_eps=1e-12,
+    pad_token_id=0,
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    return dict(TINY)
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    return minilm_dir()
+
+
+def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **kwargs):
+    """A randomly initialised transformers model for `config` (a config.json dict)."""
+    import transformers
+
+    hf_config = transformers.BertConfig(**config)
+    hf_config._attn_implementation = attn
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(hf_config, **kwargs).eval()
+
+
+def random_batch(vocab_size: int, B: int = 3, T: int = 9, pad: str = "right", seed: int = 0) -> dict:
+    """Token ids with a ragged padding pattern: row i has i pads (on `pad` side)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for i in range(B):
+        if i:
+            if pad == "right":
+                mask[i, T - i :] = 0
+            else:
+                mask[i, :i] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    types = torch.zeros(B, T, dtype=torch.long)
+    types[:, T // 2 :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types * mask}
+
+
+def write_legacy_bert_base(root: Path, formats=("safetensors", "bin")) -> "torch.nn.Module":
+    """Write a checkpoint in the exact bert-base-uncased layout (real config.json,
+    `bert.` prefixes, LayerNorm.gamma/beta, cls.* pretraining heads, random weights) once
+    per format, as `root/safetensors/model.safetensors` and `root/bin/pytorch_model.bin`.
+    Returns the transformers BertModel holding the same weights, as the reference."""
+    from safetensors.torch import save_file
+
+    config = json.loads((CONFIGS / "bert-base-uncased.json").read_text())
+    pretraining = hf_model(config, "BertForPreTraining")
+    state = {}
+    for key, tensor in pretraining.state_dict().items():
+        if key.endswith(("position_ids", "token_type_ids")):
+            continue
+        key = key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+        state[key] = tensor.clone()  # clone: the MLM decoder weight is tied to the embeddings
+    for fmt in formats:
+        directory = root / fmt
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        if fmt == "safetensors":
+            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            torch.save(state, directory / "pytorch_model.bin")
+    return pretraining.bert
+
+
+@pytest.fixture(scope="session")
+def bert_base_layout(tmp_path_factory):
+    """(root, reference): root/safetensors and root/bin hold the same legacy-layout
+    bert-base-uncased checkpoint; reference is transformers' BertModel with its weights."""
+    root = tmp_path_factory.mktemp("bert-base-uncased")
+    return root, write_legacy_bert_base(root)
