@@ -7,9 +7,9 @@ weights is held. Every missing, unexpected or mis-shaped tensor is reported in o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -23,17 +23,29 @@ from .config import BertConfig
 log = logging.getLogger(__name__)
 
 
+CHECK_FINITE_MODES = ("error", "warn", "ignore")
+
+
+def _check_finite_mode(mode: str) -> None:
+    if mode not in CHECK_FINITE_MODES:
+        raise ValueError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {mode!r}")
+
+
 class BertPreTrainedModel(nn.Module):
     # Port keys (by prefix) that a checkpoint may lack: they are initialised afresh and
     # reported, e.g. a classifier head when fine-tuning from a base checkpoint.
     keys_to_init_if_missing: ClassVar[tuple[str, ...]] = ()
     # Prefix that HF gives the encoder's keys in this model's own checkpoints.
     hf_encoder_prefix: ClassVar[str] = ""
+    # Prefix of the encoder's keys in this model's own state dict ("bert." for a task
+    # model holding its encoder as `self.bert`); the key table maps the names below it.
+    port_encoder_prefix: ClassVar[str] = ""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
         self.source_dir: Path | None = None  # checkpoint directory, for its tokenizer files
+        self.loading_info: dict[str, object] = {}  # set by load_hf_state_dict
 
     # -- initialisation ---------------------------------------------------------------
 
@@ -78,19 +90,27 @@ class BertPreTrainedModel(nn.Module):
         config: BertConfig | None = None,
         config_file: str | os.PathLike | None = None,
         check_finite: str = "error",
+        revision: str = "main",
+        output_loading_info: bool = False,
         **kwargs,
     ):
         """Load an HF BERT checkpoint: a directory, a weights file (with `config.json`
-        beside it or `config_file=`), or a model id found in the local HF cache.
+        beside it or `config_file=`), or a model id (`bert-base-uncased`, `org/name`)
+        found in the local HF cache, never over the network.
 
         dtype: cast floating weights to it; None keeps the checkpoint's dtype.
         device: where the weights go (default CPU).
-        check_finite: "error" (default), "warn" or "ignore" for NaN/Inf weights.
+        check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
+            or "ignore" for NaN/Inf weights.
+        revision: the cache ref or commit hash to use for a model id.
+        output_loading_info: also return `model.loading_info` (what was renamed, dropped,
+            skipped or newly initialised), as transformers' flag of the same name does.
         Other keyword arguments override config fields (e.g. `attn_implementation="eager"`)
         or go to the constructor (e.g. `add_pooling_layer=False`). Returns the model in
         eval mode.
         """
-        files = ckpt.locate_checkpoint(path, config_file)
+        _check_finite_mode(check_finite)
+        files = ckpt.locate_checkpoint(path, config_file, revision)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
         if config is None:
             config = BertConfig.from_json_file(files.config_file, **kwargs)
@@ -101,7 +121,8 @@ class BertPreTrainedModel(nn.Module):
             model = cls(config, **init_kwargs)
         model.load_hf_state_dict(state, dtype=dtype, device=device, check_finite=check_finite, source=str(files.weights_file))
         model.source_dir = files.directory
-        return model.eval()
+        model.eval()
+        return (model, model.loading_info) if output_loading_info else model
 
     @classmethod
     def _init_kwarg_names(cls) -> set[str]:
@@ -123,8 +144,15 @@ class BertPreTrainedModel(nn.Module):
         Raises `CheckpointError` listing every missing, unexpected and mis-shaped key
         before anything is written into the model.
         """
+        _check_finite_mode(check_finite)
         conversion = ckpt.hf_to_port(state_dict)
         incoming = conversion.state_dict
+        if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay
+            keep = set(conversion.unmapped)
+            incoming = {
+                k if k in keep or k.startswith(ckpt.HEAD_PREFIXES) else self.port_encoder_prefix + k: v
+                for k, v in incoming.items()
+            }
         expected = {k: v for k, v in self.state_dict().items()}
 
         missing = [k for k in expected if k not in incoming]
@@ -158,6 +186,13 @@ class BertPreTrainedModel(nn.Module):
                 tensor = tensor.to(device)
             prepared[key] = tensor
         self.load_state_dict(prepared, strict=False, assign=True)
+        self.loading_info = {
+            "renamed": dict(conversion.renamed),  # checkpoint key -> HF name (prefixes, gamma/beta)
+            "dropped": list(conversion.dropped),  # pretraining heads
+            "buffers": list(conversion.buffers),  # position_ids / token_type_ids, recomputed
+            "unused": unused,
+            "newly_initialized": new_keys,
+        }
         if new_keys:
             self._materialize_new(new_keys, dtype, device)
             log.warning("%s: newly initialised (not in the checkpoint): %s", type(self).__name__, ", ".join(new_keys))
@@ -201,27 +236,33 @@ class BertPreTrainedModel(nn.Module):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The state dict under Hugging Face names (the inverse of the key table)."""
-        return ckpt.port_to_hf(self.state_dict(), encoder_prefix=self.hf_encoder_prefix)
+        state = {k.removeprefix(self.port_encoder_prefix): v for k, v in self.state_dict().items()}
+        return ckpt.port_to_hf(state, encoder_prefix=self.hf_encoder_prefix)
 
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> Path:
-        """Write an HF-format checkpoint that `transformers` loads: `config.json`,
-        `model.safetensors` (or shards and an index above `max_shard_size`) and, when the
-        model was loaded from a directory with tokenizer files, those files. Every file is
-        written to a temporary name and renamed into place."""
+        """Write an HF-format checkpoint that `transformers` loads: `config.json` (every
+        field that was read, plus `architectures` and `dtype`, which describe what is
+        saved), `model.safetensors` under HF names (or shards and an index above
+        `max_shard_size`, e.g. "500MB") and, when the model was loaded from a directory with
+        tokenizer files, copies of those. All files are staged under temporary names and
+        renamed into place together, so an interrupted save leaves the previous files intact."""
         out = Path(save_directory)
-        out.mkdir(parents=True, exist_ok=True)
         config = self.config.to_dict()
         config["architectures"] = [self.hf_architecture]
-        ckpt.write_weights(self.hf_state_dict(), out, max_shard_size)
-        import json
-
-        ckpt.write_text_atomic(out / ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if self.source_dir is not None and Path(self.source_dir).resolve() != out.resolve():
-            for name in ckpt.TOKENIZER_FILES:
-                src = Path(self.source_dir) / name
-                if src.is_file():
-                    with ckpt.atomic_write(out / name) as tmp:
-                        shutil.copyfile(src, tmp)
+        # transformers loads with dtype="auto", i.e. in the config's dtype: it must name the
+        # dtype of the saved tensors, not the one the config was read with.
+        dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in config:  # the pre-v5 name, kept because it was read, kept true
+            config["torch_dtype"] = config["dtype"]
+        with ckpt.StagedWrite(out) as stage:
+            weight_names = ckpt.stage_weights(stage, self.hf_state_dict(), max_shard_size)
+            stage.text(ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            if self.source_dir is not None and Path(self.source_dir).resolve() != out.resolve():
+                for name in ckpt.TOKENIZER_FILES:
+                    if (Path(self.source_dir) / name).is_file():
+                        stage.copy(name, Path(self.source_dir) / name)
+        ckpt.remove_stale_weights(out, weight_names)
         return out
 
     @property

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -93,6 +94,8 @@ class Conversion:
     state_dict: dict[str, Tensor]
     dropped: list[str] = field(default_factory=list)  # pretraining heads, reported at INFO
     unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
+    buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
+    renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
 
 
 def normalize_hf_key(key: str) -> str:
@@ -119,7 +122,10 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
     out = Conversion(state_dict={})
     for raw_key, tensor in state_dict.items():
         key = normalize_hf_key(raw_key)
+        if key != raw_key:
+            out.renamed[raw_key] = key
         if key in BUFFER_KEYS:
+            out.buffers.append(raw_key)
             continue
         if key.startswith(DROPPED_PREFIXES):
             out.dropped.append(raw_key)
@@ -168,7 +174,7 @@ SAFE_INDEX = "model.safetensors.index.json"
 PT_WEIGHTS = "pytorch_model.bin"
 PT_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_NAMES = (SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX)  # in order of preference
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json")
 
 
 @dataclass
@@ -178,55 +184,89 @@ class CheckpointFiles:
     weights_file: Path  # a weights file or an index
 
 
+def hf_cache_dir() -> tuple[Path, str]:
+    """The hub cache directory, and the rule that chose it, computed as
+    `huggingface_hub.constants.HF_HUB_CACHE` is: `HF_HUB_CACHE`, else the legacy
+    `HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
+    else `~/.cache/huggingface/hub`, with `~` and `$VARS` expanded. One difference: a
+    variable set to the empty string counts as unset here (huggingface_hub would take ""
+    and search the working directory)."""
+    env = os.environ.get
+    if env("HF_HUB_CACHE"):
+        raw, rule = env("HF_HUB_CACHE"), "HF_HUB_CACHE"
+    elif env("HUGGINGFACE_HUB_CACHE"):
+        raw, rule = env("HUGGINGFACE_HUB_CACHE"), "HUGGINGFACE_HUB_CACHE"
+    elif env("HF_HOME"):
+        raw, rule = os.path.join(env("HF_HOME"), "hub"), "HF_HOME"
+    elif env("XDG_CACHE_HOME"):
+        raw, rule = os.path.join(env("XDG_CACHE_HOME"), "huggingface", "hub"), "XDG_CACHE_HOME"
+    else:
+        raw, rule = os.path.join("~", ".cache", "huggingface", "hub"), "the default, no HF_* variable set"
+    return Path(os.path.expandvars(os.path.expanduser(raw))), rule
+
+
 def hf_cache_dirs() -> list[Path]:
-    """The hub cache directories, in the order huggingface_hub itself consults them."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return [Path(os.environ["HF_HUB_CACHE"]).expanduser()]
-    if os.environ.get("HUGGINGFACE_HUB_CACHE"):  # the older name
-        return [Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()]
-    if os.environ.get("HF_HOME"):
-        return [Path(os.environ["HF_HOME"]).expanduser() / "hub"]
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return [base / "huggingface" / "hub"]
+    """The hub cache directories consulted, in order (huggingface_hub consults one)."""
+    return [hf_cache_dir()[0]]
+
+
+# A hub repo id: `name` or `org/name` of word characters, `-` and `.` (huggingface_hub's
+# validate_repo_id also rejects `--` and `..`, which would break the cache folder name).
+_REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def is_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.fullmatch(name)) and "--" not in name and ".." not in name and not name.startswith(".")
 
 
 def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
     """The snapshot directory of `model_id` in the local HF cache, without any network.
 
-    Follows the hub cache layout: `models--{org}--{name}/refs/{revision}` holds a commit
-    hash, and `snapshots/{hash}/` the files. A revision that is itself a hash is used
-    directly. Raises `CheckpointError` naming every directory searched.
+    Follows the hub cache layout (huggingface_hub's `try_to_load_from_cache`):
+    `models--{org}--{name}/refs/{revision}` holds a commit hash and
+    `snapshots/{hash}/` the files; a revision with no ref file is taken as a commit hash.
+    Raises `CheckpointError` naming the directories searched and what was found there.
     """
-    folder = "models--" + model_id.replace("/", "--")
-    searched = []
-    for cache in hf_cache_dirs():
-        repo = cache / folder
-        searched.append(str(repo))
-        if not repo.is_dir():
-            continue
-        ref = repo / "refs" / revision
-        commit = ref.read_text().strip() if ref.is_file() else revision
-        snapshot = repo / "snapshots" / commit
-        if snapshot.is_dir():
-            return snapshot
-        snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
-        if not ref.is_file() and snapshots:
-            return snapshots[-1]  # no ref recorded: take the newest snapshot
+    cache, rule = hf_cache_dir()
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    not_local = f"{model_id!r} is not a local path ({Path(model_id).absolute()} does not exist)"
+    fix = (
+        f"Pass a checkpoint directory, point HF_HUB_CACHE or HF_HOME at the cache that holds the model, or "
+        f"download it on a machine with network access (`hf download {model_id}`) and copy the cache over."
+    )
+    if not repo.is_dir():
+        raise CheckpointError(
+            f"{not_local} and the Hugging Face cache has no copy of it: searched {repo} "
+            f"(cache {cache}, chosen by {rule}). {fix}"
+        )
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    if snapshot.is_dir():
+        return snapshot
+    snapshots = sorted(p.name for p in (repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
+    refs = sorted(p.name for p in (repo / "refs").glob("*")) if (repo / "refs").is_dir() else []
+    where = (
+        f"{ref} points at {commit}, but {snapshot} does not exist (an interrupted download?)"
+        if ref.is_file()
+        else f"there is no {ref} and no snapshot named {revision!r}"
+    )
     raise CheckpointError(
-        f"{model_id!r} is not a local path and was not found in the Hugging Face cache "
-        f"(searched: {', '.join(searched)}). Pass a checkpoint directory, set HF_HUB_CACHE or "
-        f"HF_HOME to the cache that holds it, or download it on a machine with network access "
-        f"(`huggingface-cli download {model_id}`) and copy the cache over."
+        f"{not_local} and the Hugging Face cache at {repo} (cache chosen by {rule}) has no snapshot for revision "
+        f"{revision!r}: {where}. Refs there: {refs or 'none'}; snapshots: {snapshots or 'none'}. {fix}"
     )
 
 
-def locate_checkpoint(path: str | os.PathLike, config_file: str | os.PathLike | None = None) -> CheckpointFiles:
-    """Resolve a directory, a weights file, or a model id from the HF cache to files."""
+def locate_checkpoint(
+    path: str | os.PathLike, config_file: str | os.PathLike | None = None, revision: str = "main"
+) -> CheckpointFiles:
+    """Resolve a directory, a weights file, or a model id from the HF cache to files.
+    A string that is not an existing path and looks like a hub id (`name` or `org/name`)
+    is looked up in the cache; `revision` picks the ref (or commit) there."""
     p = Path(path).expanduser()
     if not p.exists():
-        if isinstance(path, str) and not path.startswith((".", "/", "~")) and path.count("/") <= 1:
-            p = find_in_hf_cache(path)
+        if isinstance(path, str) and is_repo_id(path):
+            p = find_in_hf_cache(path, revision)
         else:
             raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
     if p.is_dir():
@@ -267,42 +307,63 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
 
 def _read_torch_pickle(path: Path) -> dict[str, Tensor]:
     import pickle
+    import zipfile
 
     try:
         # weights_only=True: the unpickler only builds tensors and plain containers, so a
-        # pickle that tries to run code fails here instead of running it.
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # pickle that tries to run code fails here instead of running it. mmap needs the
+        # zip format of torch>=1.6; older checkpoints (bert-base-uncased's own
+        # pytorch_model.bin among them) are read whole.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
         raise CheckpointError(
-            f"refused to load {path}: it contains objects other than tensors, and unpickling "
-            f"them could run arbitrary code ({str(exc).splitlines()[0]}). If you trust the "
-            "file, convert it to safetensors in a trusted environment first"
+            f"refused to load {path}: it contains objects other than tensors, and unpickling them could run "
+            f"arbitrary code ({reason}). Nothing in it was executed. If you trust the file, convert it to "
+            "safetensors in a trusted, isolated environment first"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(
-            f"{path} is not a readable PyTorch checkpoint ({str(exc).splitlines()[0]}). It is "
-            "probably truncated or corrupt: download or copy it again"
+            f"{path} is not a readable PyTorch checkpoint ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
+            "It is probably truncated or corrupt: download or copy it again"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise CheckpointError(f"{path} does not hold a flat state dict of tensors")
+        what = f"a dict with keys {sorted(map(str, state))[:5]}" if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{path} does not hold a flat state dict of tensors (found {what}); save `model.state_dict()` itself"
+        )
     return state
 
 
 def _read_index(path: Path) -> dict[str, Tensor]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path} is not a valid shard index ({exc!r}); it needs a 'weight_map'") from None
-    shards = sorted(set(weight_map.values()))
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path} is not a valid shard index ({type(exc).__name__}: {exc}); it must be a JSON object whose "
+            "'weight_map' maps each tensor name to a shard file name. Restore it from the original checkpoint"
+        ) from None
+    # Shards live beside the index; a name that leaves the directory is not a shard.
+    bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
+    if bad:
+        raise CheckpointError(f"shard index {path} names shards outside its directory: {bad[:5]}")
     missing = [s for s in shards if not (path.parent / s).is_file()]
     if missing:
-        raise CheckpointError(f"shard index {path} names shard(s) that are not there: {', '.join(missing)}")
+        raise CheckpointError(
+            f"shard index {path} names {len(missing)} shard file(s) that are not in {path.parent}: "
+            f"{', '.join(missing)}. The download or copy is incomplete: fetch the missing shards"
+        )
     state: dict[str, Tensor] = {}
     for shard in shards:
         state.update(read_weights(path.parent / shard))
     absent = sorted(set(weight_map) - set(state))
     if absent:
-        raise CheckpointError(f"shard index {path} lists tensors its shards lack: {', '.join(absent[:10])}")
+        raise CheckpointError(
+            f"shard index {path} lists {len(absent)} tensor(s) its shards lack: {', '.join(absent[:10])}. "
+            "The index and shards come from different saves: fetch them again together"
+        )
     return state
 
 
@@ -323,30 +384,106 @@ def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
 # Writing
 
 
+def _default_file_mode() -> int:
+    # mkstemp creates 0600 files; a saved checkpoint should get the mode any other new file
+    # gets (0666 minus the umask), so that others sharing the directory can read it.
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StagedWrite:
+    """Write several files into `directory` as one unit: each is first written to a hidden
+    temporary name beside its target (`.{name}.XXXX.tmp`), flushed to disk, and only when
+    every one is complete are they renamed into place, in the order they were staged. If
+    anything fails before that, the temporaries are deleted and the directory is exactly
+    as it was. Use as a context manager: leaving the block normally commits."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._staged: dict[Path, Path] = {}  # target -> temporary
+        self.committed: list[Path] = []
+
+    def path(self, name: str) -> Path:
+        """A fresh temporary path to write the file `name` to."""
+        target = self.directory / name
+        if target in self._staged:
+            raise ValueError(f"{name} is staged twice")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
+        os.close(fd)
+        self._staged[target] = Path(tmp)
+        return Path(tmp)
+
+    def text(self, name: str, text: str) -> None:
+        self.path(name).write_text(text, encoding="utf-8")
+
+    def copy(self, name: str, source: str | os.PathLike) -> None:
+        shutil.copyfile(source, self.path(name))
+
+    def commit(self) -> list[Path]:
+        mode = _default_file_mode()
+        for tmp in self._staged.values():
+            _fsync(tmp)
+            os.chmod(tmp, mode)
+        for target, tmp in self._staged.items():
+            os.replace(tmp, target)
+            self.committed.append(target)
+        self._staged.clear()
+        try:
+            _fsync(self.directory)  # make the renames durable too
+        except OSError:  # some filesystems cannot fsync a directory
+            pass
+        return self.committed
+
+    def discard(self) -> None:
+        for tmp in self._staged.values():
+            tmp.unlink(missing_ok=True)
+        self._staged.clear()
+
+    def __enter__(self) -> StagedWrite:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            finally:
+                self.discard()
+        else:
+            self.discard()
+
+
 @contextmanager
 def atomic_write(path: Path) -> Iterator[Path]:
     """Yield a temporary path in the same directory; on success it replaces `path` in one
     rename, so a crash mid-write leaves the previous file intact."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    path = Path(path)
+    with StagedWrite(path.parent) as stage:
+        yield stage.path(path.name)
 
 
 def parse_size(size: int | str) -> int:
-    """`5GB`, `500MB`, `10KiB` or an int of bytes -> bytes (HF's `max_shard_size` rules)."""
-    if isinstance(size, int):
+    """`5GB`, `500MB`, `10KiB` or an int of bytes -> bytes. Decimal units as huggingface_hub's
+    `parse_size_to_int` (`KB` = 1000), binary ones (`KiB` = 1024) as transformers also accepts."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", size.upper().replace("IB", "iB"))
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B\s*", str(size).upper())
     if not match:
-        raise ValueError(f"cannot parse size {size!r}; use e.g. '5GB', '500MB' or a byte count")
+        raise ValueError(f"cannot parse size {size!r}; use e.g. '5GB', '500MB', '10KiB' or a byte count")
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
-    return int(float(number) * base ** " KMGT".index(unit or " "))
+    return max(1, int(float(number) * base ** " KMGT".index(unit or " ")))
 
 
 def shard_state_dict(state_dict: Mapping[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
@@ -363,41 +500,81 @@ def shard_state_dict(state_dict: Mapping[str, Tensor], max_bytes: int) -> list[d
     return shards
 
 
-def write_weights(state_dict: Mapping[str, Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write `model.safetensors`, or shards plus `model.safetensors.index.json` when the
-    weights exceed `max_shard_size`. Every file is written atomically; stale files of a
-    previous save in the other layout are removed only after the new files are in place."""
+def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous CPU tensors, each with storage of its own: safetensors refuses tensors
+    that share memory (tied weights, views into a fused buffer), so those are cloned."""
+    out, seen = {}, set()
+    for key, tensor in state_dict.items():
+        tensor = tensor.detach().contiguous().cpu()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+            storage = tensor.untyped_storage()
+        seen.add(storage.data_ptr())
+        out[key] = tensor
+    return out
+
+
+def stage_weights(
+    stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB"
+) -> list[str]:
+    """Stage `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus
+    `model.safetensors.index.json` when the weights exceed `max_shard_size` (HF's names and
+    index format). Returns the file names staged, the index last."""
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    tensors = _own_storage(state_dict)
     shards = shard_state_dict(tensors, parse_size(max_shard_size))
-    metadata = {"format": "pt"}
-    written = []
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
-        with atomic_write(directory / SAFE_WEIGHTS) as tmp:
-            save_file(shards[0], str(tmp), metadata=metadata)
-        written.append(directory / SAFE_WEIGHTS)
-    else:
-        weight_map = {}
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            with atomic_write(directory / name) as tmp:
-                save_file(shard, str(tmp), metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, name))
-            written.append(directory / name)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with atomic_write(directory / SAFE_INDEX) as tmp:
-            tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(directory / SAFE_INDEX)
-    # The loader prefers model.safetensors over an index (and both over .bin), so a file
-    # left over from an older save of another layout would shadow the new one.
-    keep = {p.name for p in written}
-    for stale in list(directory.glob("model-*-of-*.safetensors")) + [directory / n for n in WEIGHT_NAMES]:
-        if stale.name not in keep and stale.exists():
-            stale.unlink()
-    return written
+        save_file(shards[0], str(stage.path(SAFE_WEIGHTS)), metadata=metadata)
+        return [SAFE_WEIGHTS]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(stage.path(name)), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+        names.append(name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    stage.text(SAFE_INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names + [SAFE_INDEX]
+
+
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def remove_stale_weights(directory: Path, keep: Iterable[str]) -> list[Path]:
+    """After a save, delete the safetensors files of an earlier save in the other layout:
+    the loaders (ours and transformers') prefer `model.safetensors` over an index, so a
+    stale one would shadow the new shards, and stale shards would only waste space.
+    PyTorch `.bin` files are left alone (they may be the user's original, with heads the
+    new save dropped); safetensors takes precedence over them on load."""
+    keep = set(keep)
+    removed = []
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        if name in keep or not path.is_file():
+            continue
+        if name in (SAFE_WEIGHTS, SAFE_INDEX) or _SHARD_NAME.fullmatch(name):
+            path.unlink()
+            removed.append(path)
+    leftovers = [n for n in (PT_WEIGHTS, PT_INDEX) if (directory / n).is_file()]
+    if leftovers:
+        log.warning("%s still holds %s from an earlier save; the new safetensors files take precedence on load",
+                    directory, ", ".join(leftovers))  # fmt: skip
+    return removed
+
+
+def write_weights(state_dict: Mapping[str, Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
+    """Write `model.safetensors`, or shards plus `model.safetensors.index.json` when the
+    weights exceed `max_shard_size`, as one staged write (see `StagedWrite`); then remove
+    stale safetensors files of a previous save in the other layout."""
+    directory = Path(directory)
+    with StagedWrite(directory) as stage:
+        names = stage_weights(stage, state_dict, max_shard_size)
+    remove_stale_weights(directory, names)
+    return [directory / n for n in names]
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -61,6 +61,9 @@ class BertConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("id2label", "label2id"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
         if self.id2label is not None:
             # JSON object keys are strings; HF turns them back into ints.
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
@@ -139,26 +142,43 @@ class BertConfig:
             )
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
-        if "num_labels" in data and "id2label" not in data:
-            kwargs["id2label"] = {i: f"LABEL_{i}" for i in range(int(data["num_labels"]))}
-        extra = {k: v for k, v in data.items() if k not in known and k != "num_labels"}
         try:
-            return cls(**kwargs, extra=extra)
-        except TypeError as exc:  # e.g. a field of the wrong JSON type
-            raise ConfigError(f"invalid BERT config: {exc}") from exc
+            # num_labels is not stored (it is len(id2label)), as in HF. Like HF, a num_labels
+            # passed as an override replaces an id2label of another length.
+            num_labels = data.get("num_labels")
+            if num_labels is not None and (
+                data.get("id2label") is None or ("num_labels" in overrides and len(data["id2label"]) != int(num_labels))
+            ):
+                kwargs["id2label"] = {i: f"LABEL_{i}" for i in range(int(num_labels))}
+                kwargs.pop("label2id", None)
+            # num_labels stays in extra only so that to_dict writes it back (as len(id2label)).
+            extra = {k: v for k, v in data.items() if k not in known}
+            config = cls(**kwargs, extra=extra)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError) as exc:  # e.g. a field of the wrong JSON type
+            raise ConfigError(f"invalid BERT config: {type(exc).__name__}: {exc}") from exc
+        config._keys_read = set(data) - set(overrides)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """The `config.json` dict: HF's fields, then every unknown field that was read."""
         out: dict[str, Any] = dict(self.extra)
+        read = getattr(self, "_keys_read", set())
         for f in dataclasses.fields(self):
-            if f.name in ("extra", "attn_implementation"):
+            if f.name == "extra":
                 continue
             value = getattr(self, f.name)
-            if f.name in ("id2label", "label2id", "problem_type") and value is None:
-                continue
-            if f.name == "id2label":
+            # attn_implementation is a runtime choice, and these three are None unless the model is
+            # a classifier: written only when the config.json that was read had them.
+            if f.name in ("attn_implementation", "id2label", "label2id", "problem_type") and f.name not in read:
+                if f.name == "attn_implementation" or value is None:
+                    continue
+            if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}
             out[f.name] = value
+        if "num_labels" in out:
+            out["num_labels"] = self.num_labels
         out.setdefault("model_type", "bert")
         return out
 
