@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,6 +26,25 @@ log = logging.getLogger(__name__)
 
 
 CHECK_FINITE_MODES = ("error", "warn", "ignore")
+
+
+@contextmanager
+def meta_init() -> Iterator[None]:
+    """Build modules on the meta device without running their random initialisers: the
+    weights are about to be replaced by the checkpoint's, and `normal_` on a meta tensor
+    imports torch._dynamo (seconds, on the first load in a process). Like transformers'
+    `no_init_weights`, it swaps `torch.nn.init`'s in-place initialisers for no-ops while
+    the model is constructed."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def _check_finite_mode(mode: str) -> None:
@@ -117,9 +138,11 @@ class BertPreTrainedModel(nn.Module):
         elif kwargs:
             config = BertConfig.from_dict(config.to_dict(), attn_implementation=config.attn_implementation, **kwargs)
         state = ckpt.read_weights(files.weights_file)
-        with torch.device("meta"):
+        with meta_init():
             model = cls(config, **init_kwargs)
-        model.load_hf_state_dict(state, dtype=dtype, device=device, check_finite=check_finite, source=str(files.weights_file))
+        model.load_hf_state_dict(
+            state, dtype=dtype, device=device, check_finite=check_finite, source=str(files.weights_file)
+        )
         model.source_dir = files.directory
         model.eval()
         return (model, model.loading_info) if output_loading_info else model
@@ -164,7 +187,9 @@ class BertPreTrainedModel(nn.Module):
         mismatched = [k for k in incoming if k in expected and incoming[k].shape != expected[k].shape]
 
         if missing or unexpected or mismatched:
-            raise ckpt.CheckpointError(self._describe_mismatch(source, incoming, expected, missing, unexpected, mismatched))
+            raise ckpt.CheckpointError(
+                self._describe_mismatch(source, incoming, expected, missing, unexpected, mismatched)
+            )
         if check_finite != "ignore":
             bad = ckpt.non_finite(incoming)
             if bad:

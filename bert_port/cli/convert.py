@@ -1,0 +1,146 @@
+"""`bert-port-convert SRC DST`: rewrite a BERT checkpoint in the clean Hugging Face layout.
+
+SRC is a checkpoint directory, a weights file (`pytorch_model.bin`, `*.safetensors`, a
+shard index) with `config.json` beside it, or a model id in the local HF cache. Any layout
+the loader reads (legacy `LayerNorm.gamma/beta`, `bert.`/`module.`/`_orig_mod.` prefixes,
+pretraining heads, sentence-transformers) becomes HF `BertModel` names in `model.safetensors`
+(sharded above `--max-shard-size`), with `config.json` and the tokenizer files, in DST. The
+report says what was renamed, what was dropped, and that DST reads back bit for bit.
+
+Exit status: 0 converted and verified; 1 the written files did not read back identically;
+2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bert-port-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("src", help="checkpoint directory, weights file, or model id in the local HF cache")
+    parser.add_argument("dst", help="output directory (created if needed)")
+    parser.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast floating weights (default keep)")
+    parser.add_argument(
+        "--check-finite", choices=["error", "warn", "ignore"], default="error",
+        help="what NaN/Inf weights do: fail (default), warn, or pass silently",
+    )  # fmt: skip
+    parser.add_argument("--config-file", default=None, help="config.json to use when SRC is a bare weights file")
+    parser.add_argument("--revision", default="main", help="cache ref or commit when SRC is a model id")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    return parser
+
+
+def _holds_checkpoint(directory: Path) -> list[str]:
+    from bert_port import checkpoint as ckpt
+
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name in ckpt.WEIGHT_NAMES or p.suffix == ".safetensors")
+
+
+def _model_class(state: dict[str, torch.Tensor]):
+    """BertModel, with or without a pooler, or BertForSequenceClassification when the
+    checkpoint carries a `classifier.` head: the model that keeps every used tensor."""
+    from bert_port import BertModel
+    from bert_port import checkpoint as ckpt
+
+    keys = [ckpt.normalize_hf_key(k) for k in state]
+    if any(k.startswith("classifier.") for k in keys):
+        from bert_port.classifier import BertForSequenceClassification
+
+        return BertForSequenceClassification, {}
+    return BertModel, {"add_pooling_layer": any(k.startswith("pooler.") for k in keys)}
+
+
+def _names(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def convert(args: argparse.Namespace) -> int:
+    from bert_port import BertConfig
+    from bert_port import checkpoint as ckpt
+
+    dst = Path(args.dst).expanduser()
+    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
+    if dst.exists() and dst.resolve() == files.directory.resolve():
+        print(f"error: DST {dst} is the source directory; write to a new directory", file=sys.stderr)
+        return 2
+    existing = _holds_checkpoint(dst)
+    if existing and not args.overwrite:
+        print(f"error: {dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
+
+    config = BertConfig.from_json_file(files.config_file)
+    state = ckpt.read_weights(files.weights_file)
+    cls, init_kwargs = _model_class(state)
+    with torch.device("meta"):
+        model = cls(config, **init_kwargs)
+    model.load_hf_state_dict(
+        state, dtype=DTYPES[args.dtype], check_finite=args.check_finite, source=str(files.weights_file)
+    )
+    model.source_dir = files.directory
+    info = model.loading_info
+    del state
+
+    model.save_pretrained(dst, max_shard_size=args.max_shard_size)
+    saved = model.hf_state_dict()
+    written = ckpt.locate_checkpoint(dst)
+    reread = ckpt.read_weights(written.weights_file)
+    same = reread.keys() == saved.keys() and all(torch.equal(reread[k], saved[k].cpu()) for k in saved)
+
+    renamed = info["renamed"]
+    legacy = [k for k in renamed if k.endswith(("LayerNorm.gamma", "LayerNorm.beta"))]
+    prefixed = [k for k in renamed if k.startswith(ckpt.WRAPPER_PREFIXES)]
+    nbytes = sum(t.numel() * t.element_size() for t in saved.values())
+    out_files = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
+    print(f"source:    {files.weights_file}")
+    print(f"config:    {files.config_file}")
+    print(f"model:     {type(model).__name__} ({config.num_hidden_layers} layers, hidden {config.hidden_size})"
+          + ("" if getattr(model, "add_pooling_layer", True) else ", no pooler in the checkpoint"))  # fmt: skip
+    print(f"renamed:   {len(renamed)} keys ({len(legacy)} legacy LayerNorm gamma/beta -> weight/bias, "
+          f"{len(prefixed)} with a wrapper prefix stripped)")  # fmt: skip
+    dropped, buffers = info["dropped"], info["buffers"]
+    print(f"dropped:   {len(dropped)} pretraining-head tensors" + (f": {_names(dropped)}" if dropped else ""))
+    print(f"skipped:   {len(buffers)} buffers" + (f": {_names(buffers)}" if buffers else ""))
+    if info["unused"]:
+        print(f"unused:    {_names(info['unused'])}")
+    if info["newly_initialized"]:
+        print(f"new:       {_names(info['newly_initialized'])} (initialised afresh: not in the source)")
+    print(f"written:   {dst}: {', '.join(out_files)}")
+    print(f"tensors:   {len(saved)}, {ckpt.human_bytes(nbytes)}, {str(model.dtype).removeprefix('torch.')}")
+    if not same:
+        print(f"FAILED: {written.weights_file} does not read back identically to what was saved", file=sys.stderr)
+        return 1
+    print(f"verified:  {written.weights_file.name} reads back bit for bit ({len(saved)} tensors)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+
+    from bert_port import CheckpointError, ConfigError
+
+    try:
+        return convert(args)
+    except (CheckpointError, ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
