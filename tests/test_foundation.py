@@ -196,8 +196,9 @@ def test_package_does_not_import_transformers():
 def test_parity_script_passes(minilm_path, capsys):
     from bert_port.cli.parity import main
 
-    assert main(["--checkpoint", str(minilm_path)]) == 0
-    assert "PASS" in capsys.readouterr().out
+    argv = ["--checkpoint", str(minilm_path), "--device", "cpu", "--dtype", "float32", "--max-length", "32"]
+    assert main(argv + ["--no-progress"]) == 0
+    assert "PASS: 1 of 1 device x dtype rows" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
