@@ -22,13 +22,23 @@ from .utils import get_activation, get_extended_attention_mask
 
 
 class ModelOutput(dict):
-    """A dict whose keys are also attributes: `out["pooler_output"]` or `out.pooler_output`."""
+    """A dict whose keys are also attributes: `out["pooler_output"]` or `out.pooler_output`.
+    An integer or slice indexes the values that are not None, in order, as transformers'
+    `ModelOutput` does, so `model(ids)[0]` is the last hidden state."""
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, slice)):
+            return self.to_tuple()[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(v for v in self.values() if v is not None)
 
 
 class BertSelfAttention(nn.Module):
@@ -55,12 +65,20 @@ class BertSelfAttention(nn.Module):
     def attention(
         self, key: Tensor, query: Tensor, value: Tensor, attention_mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """Eager scaled dot-product attention. `attention_mask` is additive, broadcastable
-        to (B, nh, T, T). Returns the context (B, T, H) and the probabilities (B, nh, T, T)."""
+        """Eager scaled dot-product attention, operation for operation transformers'
+        `eager_attention_forward`. `attention_mask` is additive, broadcastable to (B, nh, T, T).
+        Returns the context (B, T, H) and the probabilities (B, nh, T, T)."""
         # Scale the raw scores first, then add the mask (finfo.min, never -inf), as HF does.
         scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling  # (B, nh, T, T)
         if attention_mask is not None:
             scores = scores + attention_mask
+            if scores.dtype == torch.float16:
+                # finfo(fp16).min + a score below -16 rounds to -inf. A row where every entry
+                # did is fully masked (all padding) and would softmax to NaN, as it does in
+                # transformers; give it finfo.min instead, i.e. the uniform attention that
+                # fp32/bf16 give. Rows with any finite entry are left exactly as they are.
+                dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+                scores = scores.masked_fill(dead, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1)
         probs = self.dropout(probs)
         context = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
@@ -84,10 +102,17 @@ class BertSelfAttention(nn.Module):
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, output_attentions: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """(B, T, H) -> context (B, T, H), and the attention probabilities when asked for.
-        SDPA does not expose probabilities, so `output_attentions` runs the eager path."""
+
+        `attention_mask` is prepared (see `get_extended_attention_mask`): boolean or additive.
+        SDPA does not expose probabilities, so `output_attentions` runs the eager path even
+        when SDPA is configured (transformers' SDPA path instead warns and returns no
+        attentions); the outputs then equal transformers' eager outputs."""
+        # Query, key, value in transformers' order: the forward does not care, but autograd
+        # sums the three gradients into `hidden_states` in reverse order of creation, and this
+        # order gives transformers' gradient bits (key-value-query differs by ~1e-5).
+        query_layer = self.transform(hidden_states, self.query)
         key_layer = self.transform(hidden_states, self.key)
         value_layer = self.transform(hidden_states, self.value)
-        query_layer = self.transform(hidden_states, self.query)
         if self.attn_implementation == "sdpa" and not output_attentions:
             return self.sdpa(key_layer, query_layer, value_layer, attention_mask), None
         if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -132,13 +157,12 @@ class BertLayer(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """(B, T, H) -> (B, T, H); with `output_attentions`, also the (B, nh, T, T) probabilities.
 
-        `attention_mask`: None, a 2-D (B, T) 0/1 padding mask, or a mask already prepared
-        by `get_extended_attention_mask`.
+        `attention_mask`: None, a 2-D (B, T) 0/1 padding mask, a 3-D (B, T, T) per-query
+        mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
+        (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
-        if attention_mask is not None and attention_mask.dim() == 2:
-            attention_mask = self.prepare_mask(attention_mask, hidden_states)
-        elif attention_mask is None and self.config.is_decoder:
-            attention_mask = self.prepare_mask(None, hidden_states)
+        if attention_mask is None or attention_mask.dim() < 4:
+            attention_mask = self.prepare_mask(attention_mask, hidden_states, output_attentions)
         attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
@@ -147,13 +171,17 @@ class BertLayer(nn.Module):
         layer_output = self.add_norm(attention_output, interm, self.out_dense, self.out_dropout, self.out_layer_norm)
         return (layer_output, probs) if output_attentions else layer_output
 
-    def prepare_mask(self, attention_mask: Tensor | None, hidden_states: Tensor) -> Tensor | None:
+    def prepare_mask(
+        self, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
+    ) -> Tensor | None:
+        """The 4-D mask for this block's attention path (boolean for SDPA, additive for eager)."""
         return get_extended_attention_mask(
             attention_mask,
             hidden_states.dtype,
             seq_len=hidden_states.shape[1],
             causal=self.config.is_decoder,
-            as_bool=self.config.attn_implementation == "sdpa",
+            as_bool=self.config.attn_implementation == "sdpa" and not output_attentions,
+            device=hidden_states.device,
         )
 
 
@@ -219,6 +247,7 @@ class BertModel(BertPreTrainedModel):
             seq_len=hidden_states.shape[1],
             causal=self.config.is_decoder,
             as_bool=use_bool,
+            device=hidden_states.device,
         )
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None

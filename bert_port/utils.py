@@ -57,38 +57,71 @@ def get_extended_attention_mask(
     seq_len: int,
     causal: bool = False,
     as_bool: bool = False,
+    device: torch.device | None = None,
 ) -> Tensor | None:
-    """Turn a user mask into the 4-D mask the attention adds (or selects with).
+    """Turn a user mask into the 4-D mask the attention adds (eager) or selects with (SDPA),
+    following transformers 5 (`masking_utils.create_bidirectional_mask` / `create_causal_mask`).
 
     `attention_mask` may be
-      - 2-D `(B, T)`, 1 (or True) for tokens to attend to and 0 for padding;
-      - 3-D `(B, T, T)`, per query row, same convention;
-      - 4-D, already prepared: used as given, as transformers does.
-    Returns `(B, 1, T, T)` (or `(B, 1, 1, T)`): additive, 0 where attended and
-    `finfo(dtype).min` where not (so the sum never overflows to -inf and a fully masked
-    row stays finite), or boolean, True where attended, when `as_bool` (the SDPA form).
-    None when nothing is masked, again as transformers returns it.
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask
-    if attention_mask is None and not causal:
-        return None
+      - 2-D `(B, T)`: 1/True for tokens to attend to, 0/False for padding. Any dtype; like
+        transformers, nonzero means "attend" (`.bool()`).
+      - 3-D `(B, T, T)`: per query row, same convention. transformers 5 rejects 3-D masks (its
+        mask builder indexes them as 2-D and fails); ours gives exactly what transformers gives
+        for the equivalent 4-D mask (`mask[:, None]` as bool, or 0/finfo.min additive), with the
+        causal pattern still applied for decoders.
+      - 4-D `(B or 1, 1 or nh, T, T)`: already prepared, used as given (transformers does not
+        add padding or causality to it either). Boolean (True = attend) or additive in the
+        model's dtype; the eager path turns a boolean one into 0/finfo.min, where transformers'
+        eager path would add the 0/1 values and silently ignore the mask.
 
+    Returns None when nothing needs masking: no mask and bidirectional, a 2-D mask with no
+    padding, or (`as_bool`, i.e. SDPA) a causal model without padding, which SDPA handles with
+    `is_causal=True`, as transformers does. Otherwise `(B, 1, T, T)` (or `(B, 1, 1, T)` for
+    bidirectional padding; broadcasting gives the same sums): boolean when `as_bool`, else
+    additive, 0 where attended and `finfo(dtype).min` where not, never -inf, so a fully masked
+    row stays finite (uniform attention, as transformers' eager path gives).
+    """
+    if attention_mask is not None and device is not None:
+        attention_mask = attention_mask.to(device)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _check_prepared_mask(attention_mask, dtype)
     if attention_mask is None:
+        if not causal or as_bool:
+            return None  # nothing to mask, or plain causal, which SDPA does with is_causal=True
         keep = None
     elif attention_mask.dim() == 2:
-        keep = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        keep = attention_mask.bool()
+        if (not causal or as_bool) and bool(keep.all()):
+            return None  # no padding: transformers skips the mask too (but always builds its eager causal one)
+        keep = keep[:, None, None, :]  # (B, 1, 1, T)
     else:
         keep = attention_mask.bool()[:, None, :, :]  # (B, 1, T, T)
 
     if causal:
-        device = attention_mask.device if attention_mask is not None else None
-        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # (T, T)
-        keep = tri[None, None] if keep is None else keep & tri
-    elif attention_mask.dim() == 2 and bool(keep.all()):
-        return None  # no padding: HF skips the mask so SDPA can use its fastest kernel
-
+        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device if keep is None else keep.device)
+        keep = tri.tril()[None, None] if keep is None else keep & tri.tril()  # (B or 1, 1, T, T)
     if as_bool:
-        return keep
+        # A view with transformers' (B, 1, T, T) shape, so SDPA sees the same mask layout.
+        return keep.expand(keep.shape[0], 1, seq_len, seq_len)
     zero = torch.zeros((), dtype=dtype, device=keep.device)
     return torch.where(keep, zero, torch.finfo(dtype).min)
+
+
+def _check_prepared_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A user's 4-D mask is used as given; reject the kinds that would silently mean
+    something else (0/1 integers added to the scores) or fail deep inside a kernel."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(
+            f"a 4-D attention_mask is used as given, so it must be boolean (True = attend) or additive "
+            f"float (0 = attend, torch.finfo(dtype).min = masked); got {mask.dtype}. For a 0/1 padding "
+            "mask pass it 2-D (batch, seq_len), or 3-D (batch, seq_len, seq_len) per query"
+        )
+    if mask.dtype != dtype:
+        raise ValueError(
+            f"a 4-D additive attention_mask must be in the model's dtype {dtype}, got {mask.dtype}; "
+            f"build it in {dtype} with torch.finfo({dtype}).min for masked positions (a cast can turn "
+            "a float32 minimum into -inf), or pass a boolean mask (True = attend)"
+        )
+    return mask
