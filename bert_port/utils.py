@@ -10,9 +10,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _gelu_tanh_python(x: Tensor) -> Tensor:
+def _gelu_new(x: Tensor) -> Tensor:
     # HF's NewGELUActivation, op for op (the original BERT / GPT tanh approximation).
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_python_tanh(x: Tensor) -> Tensor:
+    # HF's GELUTanh(use_gelu_new=True): the same formula, multiplied in another order.
+    return x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 # Every activation HF's ACT2FN offers to BERT configs, written with the same operations in
@@ -20,9 +25,9 @@ def _gelu_tanh_python(x: Tensor) -> Tensor:
 ACT2FN: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_new": _gelu_tanh_python,
+    "gelu_new": _gelu_new,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_python_tanh": lambda x: x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
+    "gelu_python_tanh": _gelu_python_tanh,
     "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
     "gelu_accurate": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3)))),
     "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10),
