@@ -16,7 +16,7 @@ def _gelu_new(x: Tensor) -> Tensor:
 
 
 def _gelu_python_tanh(x: Tensor) -> Tensor:
-    # HF's GELUTanh(use_gelu_new=True): the same formula, multiplied in another order.
+    # HF's GELUTanh(use_gelu_tanh_python=True): the same formula, multiplied in another order.
     return x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
