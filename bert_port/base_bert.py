@@ -271,6 +271,7 @@ class BertPreTrainedModel(nn.Module):
         `max_shard_size`, e.g. "500MB") and, when the model was loaded from a directory with
         tokenizer files, copies of those. All files are staged under temporary names and
         renamed into place together, so an interrupted save leaves the previous files intact."""
+        ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
         out = Path(save_directory)
         config = self.config.to_dict()
         config["architectures"] = [self.hf_architecture]

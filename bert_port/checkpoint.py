@@ -207,11 +207,6 @@ def hf_cache_dir() -> tuple[Path, str]:
     return Path(os.path.expandvars(os.path.expanduser(raw))), rule
 
 
-def hf_cache_dirs() -> list[Path]:
-    """The hub cache directories consulted, in order (huggingface_hub consults one)."""
-    return [hf_cache_dir()[0]]
-
-
 # A hub repo id: `name` or `org/name` of word characters, `-` and `.` (huggingface_hub's
 # validate_repo_id also rejects `--` and `..`, which would break the cache folder name).
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
@@ -318,12 +313,14 @@ def _read_torch_pickle(path: Path) -> dict[str, Tensor]:
         # pytorch_model.bin among them) are read whole.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+        # torch's message suggests allowlisting the culprit; name it, without that advice.
+        culprit = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        lines = [line.strip() for line in str(exc).splitlines() if "Unsupported" in line or "unsupported" in line]
+        reason = f"it calls {culprit.group(1)}" if culprit else (lines[0] if lines else "not plain tensors")
         raise CheckpointError(
-            f"refused to load {path}: it contains objects other than tensors, and unpickling them could run "
-            f"arbitrary code ({reason}). Nothing in it was executed. If you trust the file, convert it to "
-            "safetensors in a trusted, isolated environment first"
+            f"refused to load {path}: unpickling it would run code, not just build tensors ({reason}). "
+            "Nothing in it was executed. If you trust the file, convert it to safetensors in a trusted, "
+            "isolated environment first"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -389,9 +386,14 @@ def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
 
 def _default_file_mode() -> int:
     # mkstemp creates 0600 files; a saved checkpoint should get the mode any other new file
-    # gets (0666 minus the umask), so that others sharing the directory can read it.
-    umask = os.umask(0)
-    os.umask(umask)
+    # gets (0666 minus the umask), so that others sharing the directory can read it. The
+    # umask is read from /proc where it can be: setting it to read it races other threads.
+    try:
+        status = Path("/proc/self/status").read_text()
+        umask = int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)
+    except (OSError, AttributeError):
+        umask = os.umask(0o022)
+        os.umask(umask)
     return 0o666 & ~umask
 
 
@@ -406,9 +408,10 @@ def _fsync(path: Path) -> None:
 class StagedWrite:
     """Write several files into `directory` as one unit: each is first written to a hidden
     temporary name beside its target (`.{name}.XXXX.tmp`), flushed to disk, and only when
-    every one is complete are they renamed into place, in the order they were staged. If
-    anything fails before that, the temporaries are deleted and the directory is exactly
-    as it was. Use as a context manager: leaving the block normally commits."""
+    every one is complete are they renamed into place, in the order they were staged (so
+    shards land before the index that names them). If anything fails before that, the
+    temporaries are deleted and the files in the directory are exactly as they were. Use
+    as a context manager: leaving the block normally commits."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)

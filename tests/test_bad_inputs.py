@@ -163,7 +163,7 @@ class _Payload:
 @pytest.mark.parametrize("container", ["torch-zip", "plain-pickle", "in-shard"])
 def test_pickle_that_runs_code_is_refused(tmp_path, tiny_state, container):
     marker = tmp_path / "marker"
-    state = {**tiny_state, "embeddings.payload": _Payload(marker)}
+    state = {"embeddings.payload": _Payload(marker), **tiny_state}  # first, so it is what gets refused
     directory = tmp_path / "ckpt"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(TINY))
@@ -171,7 +171,7 @@ def test_pickle_that_runs_code_is_refused(tmp_path, tiny_state, container):
         torch.save(state, directory / "pytorch_model.bin")
     elif container == "plain-pickle":
         with open(directory / "pytorch_model.bin", "wb") as f:
-            pickle.dump(state, f)
+            pickle.dump(state, f, protocol=2)  # a protocol the weights-only unpickler reads
     else:  # a .bin shard behind a pytorch_model.bin.index.json
         torch.save(tiny_state, directory / "pytorch_model-00001-of-00002.bin")
         torch.save({"embeddings.payload": _Payload(marker)}, directory / "pytorch_model-00002-of-00002.bin")
@@ -181,7 +181,8 @@ def test_pickle_that_runs_code_is_refused(tmp_path, tiny_state, container):
 
     with pytest.raises(CheckpointError, match="refused to load") as err:
         BertModel.from_pretrained(directory)
-    assert "exec" in str(err.value) and "Nothing in it was executed" in str(err.value)
+    assert "(it calls exec)" in str(err.value) and "Nothing in it was executed" in str(err.value)
+    assert "add_safe_globals" not in str(err.value)  # torch's allowlisting advice is not passed on
     assert not marker.exists()
 
     # The payload is live: an unsafe load does run it. This proves the refusal mattered.
@@ -341,7 +342,7 @@ def test_bad_max_shard_size(tmp_path, tiny_model):
     for size in ("5 parsecs", "-3GB", 0):
         with pytest.raises(ValueError, match="max_shard_size must be positive|cannot parse size"):
             tiny_model.save_pretrained(tmp_path / "out", max_shard_size=size)
-    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # nothing half-written
+    assert not (tmp_path / "out").exists()  # nothing half-written
 
 
 def test_cache_lookup_is_only_for_hub_ids(tmp_path, monkeypatch):
