@@ -352,3 +352,20 @@ def test_cache_lookup_is_only_for_hub_ids(tmp_path, monkeypatch):
             BertModel.from_pretrained(path)
     with pytest.raises(CheckpointError, match="searched"):
         BertModel.from_pretrained(os.path.join("org", "model"))
+
+
+@pytest.mark.gpu
+def test_bad_ids_on_cuda_are_value_errors_not_device_asserts():
+    """On CUDA an out-of-range id reaching the embedding is a device-side assert that poisons
+    the process; the checks must stop every case first, and a good batch must still run."""
+    model = BertModel(BertConfig(**TINY)).cuda().eval()
+    for case in INPUT_CASES:
+        inputs, message = _case(case)
+        with pytest.raises(ValueError, match=message):
+            with torch.no_grad():
+                model(**{k: v.cuda() for k, v in inputs.items()})
+    batch = {k: v.cuda() for k, v in random_batch(TINY["vocab_size"]).items()}
+    with torch.no_grad():
+        out = model(**batch)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out.last_hidden_state).all())
