@@ -353,6 +353,8 @@ class BertModel(BertPreTrainedModel):
 
 
 def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer ids (torch.long), got {ids.dtype}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= upper:
         bad = lo if lo < 0 else hi
