@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,8 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .tokenization import encode
-
-log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -263,7 +260,7 @@ class Stats:
             self.worst_ratio = float(ratio.view(-1)[worst])
             if not self.nonfinite:
                 self.worst_at = locate(worst // a.shape[-1])
-        rows = finite.all(dim=-1)
+        rows = finite.all(dim=-1) & (diff != 0).any(dim=-1)  # identical vectors: cos = 1 exactly, not 1 - 1e-16
         if bool(rows.any()):
             cos = F.cosine_similarity(a[rows], b[rows], dim=-1, eps=1e-30)
             self.min_cos = min(self.min_cos, float(cos.min()))
@@ -348,16 +345,18 @@ def compare(
         inputs = {k: v.to(device) for k, v in batch.inputs.items()}
         mask = inputs["attention_mask"].bool()  # (B, T)
         with torch.no_grad():
-            outs = [m(**inputs, output_hidden_states=True) for m in (ours, reference, spread_reference) if m is not None]
+            models = [m for m in (ours, reference, spread_reference) if m is not None]
+            outs = [m(**inputs, output_hidden_states=True) for m in models]
         views = [_site_views(o, mask) for o in outs]
         depths = [len(v) - 4 for v in views]  # embeddings, last, pooler and pads are not layers
         if len(set(depths)) > 1:
             raise ValueError(f"the models disagree on depth: {depths[0]} layers (ours) against {depths[1]}")
-        index = {
-            True: mask.nonzero().tolist(),  # (row, position) of each real token
-            False: (~mask).nonzero().tolist(),
+        # (row, position) of every compared vector, in the order boolean indexing yields them.
+        where = {
+            "pooler_output": [(r, 0) for r in mask[:, 0].nonzero()[:, 0].tolist()],
+            "pad positions": (~mask).nonzero().tolist(),
         }
-        pooled_rows = mask[:, 0].nonzero()[:, 0].tolist()
+        real_tokens = mask.nonzero().tolist()
         for k, (name, gated, mine) in enumerate(views[0]):
             _, _, theirs = views[1][k]
             if (mine is None) != (theirs is None):
@@ -365,10 +364,7 @@ def compare(
                 raise ValueError(f"{side} returns no {name} and the other does: build both with the same pooler")
             if mine is None:
                 continue
-            if name == "pooler_output":
-                positions = [(r, 0) for r in pooled_rows]
-            else:
-                positions = index[name != "pad positions"]
+            positions = where.get(name, real_tokens)
 
             def locate(i: int, positions=positions, batch=batch) -> str:
                 row, pos = positions[i]
@@ -457,6 +453,9 @@ def check_matrix(
     as they are; CUDA rows are skipped, with the reason, when no GPU is present. Float32
     runs with TF32 off."""
     tolerances = {**DEFAULT_TOLERANCES, **(tolerances or {})}
+    unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
+    if unknown:
+        raise ValueError(f"no tolerance for {', '.join(unknown)}: pass tolerances={{dtype: Tolerance(atol, rtol)}}")
     rows = []
     for device in devices:
         reason = cuda_unavailable_reason() if device.startswith("cuda") else None
@@ -526,13 +525,13 @@ def format_report(report: Report) -> str:
     width = max((len(k) for k in report.meta), default=0)
     lines += [f"  {k:<{width}}  {v}" for k, v in report.meta.items()]
     lines += [
-        "  columns: ours - reference over real tokens (min cos: the worst token's cosine similarity);",
+        "  columns: ours - reference over real tokens; '1-cos': 1 - the worst token's cosine similarity;",
         "  'spread': the reference against itself under the other attention implementation;",
         "  'tol used': max |d| / (atol + rtol |ref|) for ours and for the spread; a site passes at <= 1.",
     ]
     header = (
-        f"  {'site':<19}{'max abs':>10}{'mean abs':>10}{'max rel':>10}{'min cos':>13}"
-        f" |{'spread max':>11}{'spread cos':>13} |{'tol used':>9}{'spread':>8}"
+        f"  {'site':<19}{'max abs':>10}{'mean abs':>10}{'max rel':>10}{'1-cos':>10}"
+        f" |{'spread max':>11}{'spread 1-cos':>13} |{'tol used':>9}{'spread':>8}"
     )
     skipped_devices = set()
     for row in report.rows:
@@ -546,14 +545,14 @@ def format_report(report: Report) -> str:
         lines.append(header)
         for site in row.sites:
             o, s = site.ours, site.spread
-            spread = f"{_fmt(s.max_abs):>11}{s.min_cos:>13.8f}" if s else f"{'-':>11}{'-':>13}"
+            spread = f"{_fmt(s.max_abs):>11}{_fmt(1 - s.min_cos):>13}" if s else f"{'-':>11}{'-':>13}"
             if site.gated:
                 used = f"{_ratio(o.worst_ratio):>9}{_ratio(s.worst_ratio) if s else '-':>8}"
             else:
                 used = f"{'info':>9}{'info':>8}"
             name = site.name if site.gated else f"{site.name} *"
             lines.append(
-                f"  {name:<19}{_fmt(o.max_abs):>10}{_fmt(o.mean_abs):>10}{_fmt(o.max_rel):>10}{o.min_cos:>13.8f}"
+                f"  {name:<19}{_fmt(o.max_abs):>10}{_fmt(o.mean_abs):>10}{_fmt(o.max_rel):>10}{_fmt(1 - o.min_cos):>10}"
                 f" |{spread} |{used}" + ("   <- FAIL" if not site.passed else "")
             )
         lines.append("  * last_hidden_state at padding: values no caller reads; they must only agree on NaN/Inf.")

@@ -201,12 +201,13 @@ def test_texts_file_with_pairs(tmp_path, minilm_path, capsys):
 
     out = tmp_path / "r.json"
     code = parity_cli.main(FAST + ["--dtype", "float32", "--texts-file", str(texts), "--batch-size", "2",
-                                   "--no-adversarial", "--json", str(out)])  # fmt: skip
+                                   "--no-adversarial", "--attn", "eager", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     assert [(b["name"], b["rows"]) for b in report["batches"]] == [("texts 1-2", 2), ("pairs 1-2", 2),
                                                                    ("pairs 3-3", 1)]  # fmt: skip
     assert "5 examples from" in report["meta"]["inputs"] and "(3 pairs)" in report["meta"]["inputs"]
+    assert report["meta"]["attention"].startswith("eager on both sides")
 
 
 def test_texts_file_with_extra_columns_is_refused(tmp_path, capsys):
@@ -217,24 +218,43 @@ def test_texts_file_with_extra_columns_is_refused(tmp_path, capsys):
 
 
 def test_weights_file_and_ddp_layout(tmp_path, minilm_path, capsys):
-    """A bare weights file is read by transformers itself (through links); a DDP `module.`
-    layout transformers cannot read gets the port's weights, strictly, and says so."""
+    """A weights file under any name is read by transformers itself (through links); a DDP
+    `module.` layout transformers cannot read gets the port's weights, strictly, and says so."""
     state = load_file(str(minilm_path / "model.safetensors"))
-    ddp = tmp_path / "ddp"
-    ddp.mkdir()
-    (ddp / "config.json").write_text((minilm_path / "config.json").read_text())
-    save_file({f"module.{k}": v for k, v in state.items()}, str(ddp / "weights.safetensors"))
+    (tmp_path / "config.json").write_text((minilm_path / "config.json").read_text())
+    save_file(state, str(tmp_path / "step-100.safetensors"))
+    save_file({f"module.{k}": v for k, v in state.items()}, str(tmp_path / "ddp.safetensors"))
     base = ["--dtype", "float32", "--no-adversarial", "--max-length", "16", "--no-progress", "--device", "cpu"]
 
     for checkpoint, expected in [
-        (minilm_path / "model.safetensors", "from_pretrained read"),
-        (ddp / "weights.safetensors", "given the port's weights via hf_state_dict() (strict)"),
+        (tmp_path / "step-100.safetensors", "from_pretrained read"),
+        (tmp_path / "ddp.safetensors", "given the port's weights via hf_state_dict() (strict)"),
     ]:
         out = tmp_path / "r.json"
         code = parity_cli.main(base + ["--checkpoint", str(checkpoint), "--tokenizer", str(minilm_path),
                                        "--json", str(out)])  # fmt: skip
         assert code == 0, capsys.readouterr().out
         assert expected in json.loads(out.read_text())["meta"]["reference"]
+
+
+def test_model_id_from_local_hf_cache(tmp_path, minilm_path, monkeypatch, capsys):
+    snapshot = tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abc")
+    for f in minilm_path.iterdir():
+        if f.is_file():
+            (snapshot / f.name).symlink_to(f)  # the hub cache links snapshot files to blobs, too
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    out = tmp_path / "r.json"
+    argv = ["--dtype", "float32", "--no-adversarial", "--max-length", "16", "--no-progress", "--device", "cpu"]
+    assert parity_cli.main(argv + ["--checkpoint", "sentence-transformers/all-MiniLM-L6-v2", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["checkpoint"].startswith("sentence-transformers/all-MiniLM-L6-v2 (") and "0123abc" in meta["checkpoint"]
+
+    capsys.readouterr()
+    assert parity_cli.main(["--checkpoint", "sentence-transformers/not-there", "--no-progress"]) == 2
+    assert "the Hugging Face cache has no copy of it" in capsys.readouterr().err
 
 
 def test_checkpoint_without_pooler(tmp_path, minilm_path, capsys):

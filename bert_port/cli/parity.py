@@ -236,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
     meta = {
-        "checkpoint": str(files.weights_file),
-        "model": (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
-                  f"vocab {config.vocab_size}"),  # fmt: skip
+        "checkpoint": f"{path} ({files.weights_file.relative_to(files.directory)})" if Path(path).is_dir()
+                      else str(files.weights_file) if Path(path).exists() else f"{path} ({files.weights_file})",
+        "model": (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                  f"{config.num_attention_heads} heads, vocab {config.vocab_size}"),  # fmt: skip
         "reference": f"transformers {transformers.__version__}: {how}",
         "attention": f"{args.attn} on both sides; spread = transformers {other} vs transformers {args.attn}",
         "inputs": (f"{len(examples)} examples from {source} ({pairs} pairs), max length {max_length}"
