@@ -20,8 +20,8 @@ import bert_port.cli.parity as parity_cli
 from bert_port import BertModel, load_tokenizer, parity
 from bert_port.assets import minilm_dir
 
-# Short inputs: max length 24 keeps every forward small; the edge cases stay in.
-FAST = ["--device", "cpu", "--max-length", "24", "--batch-size", "16", "--no-progress"]
+# Short inputs: max length 16 keeps every forward small; the edge cases stay in.
+FAST = ["--device", "cpu", "--max-length", "16", "--batch-size", "16", "--no-progress"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -72,11 +72,11 @@ def test_main_passes_on_bundled_checkpoint(passing_run, minilm_path, hf_referenc
         assert site["passed"] and site["ours"]["max_abs"] <= REAL_CHECKPOINT_ATOL, site
         assert site["spread"] is not None and site["ours"]["elements"] > 0
     batch_names = [b["name"] for b in report["batches"]]
-    assert "max-length row (T=24)" in batch_names and "all-pad row + [CLS]-only row" in batch_names
+    assert "max-length row (T=16)" in batch_names and "all-pad row + [CLS]-only row" in batch_names
 
     # The reported figures are the ones an independent computation gives, on the same batches.
     examples = [(t, None) for t in parity.DEFAULT_TEXTS] + list(parity.DEFAULT_PAIRS)
-    batches = parity.build_batches(load_tokenizer(minilm_path), examples, batch_size=16, max_length=24)
+    batches = parity.build_batches(load_tokenizer(minilm_path), examples, batch_size=16, max_length=16)
     ours = BertModel.from_pretrained(minilm_path)
     eager = copy.deepcopy(hf_reference)
     eager.set_attn_implementation("eager")
