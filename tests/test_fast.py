@@ -312,3 +312,15 @@ def test_bench_refuses_unknown_section(capsys):
 
     assert main(["--skip", "real,nope"]) == 2
     assert "unknown section(s) ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_padded_sdpa_on_cuda(tiny_config):
+    model = BertModel(BertConfig.from_dict({**tiny_config, "hidden_size": 64})).eval().cuda()
+    batch = {k: v.cuda() for k, v in random_batch(tiny_config["vocab_size"]).items()}
+    real = batch["attention_mask"].bool()
+    with torch.no_grad(), fast.autocast("cuda"):
+        assert fast.default_attention_kind("cuda", torch.bfloat16, training=False) == "varlen"
+        varlen = _fast_hidden(model, batch, attention="varlen").float()
+        padded = _fast_hidden(model, batch, attention="padded_sdpa").float()
+    torch.testing.assert_close(varlen[real], padded[real], **TOL[torch.bfloat16])

@@ -187,13 +187,19 @@ def build_variants(ours, ref, precision: str, device: torch.device, compiled=Non
 
         return run
 
+    from bert_port import fast
+
+    kind = fast.default_attention_kind(device, dtype or torch.float32, training=False)
     variants = {
         "transformers": wrap(lambda b: ref(**b)),
         "port": wrap(lambda b: ours(**b)),
-        "port+fast.py": wrap(lambda b: port_fast_forward(ours, b)),
+        f"port+fast.py ({kind})": wrap(lambda b: port_fast_forward(ours, b, attention=kind)),
+        "port+fast.py (per_sequence)": wrap(lambda b: port_fast_forward(ours, b, attention="per_sequence")),
     }
     if compiled is not None:
-        variants["port+fast.py+compile"] = wrap(lambda b: port_fast_forward(ours, b, layer_fn=compiled))
+        variants[f"port+fast.py ({kind}) +compile"] = wrap(
+            lambda b: port_fast_forward(ours, b, layer_fn=compiled, attention=kind)
+        )
     return variants
 
 
