@@ -448,12 +448,13 @@ def section_fixed(args, device: torch.device, precisions: list[str]) -> dict[str
 LOAD_CODE = r"""
 import json, resource, sys, time
 kind, path = sys.argv[1], sys.argv[2]
-def rss_kib():
+def status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+rss_kib = lambda: status_kib("VmRSS")
 import torch
 if kind == "port":
     from bert_port import BertModel
@@ -462,12 +463,15 @@ else:
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    load = lambda: transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    cls = transformers.BertModel  # resolved before the clock starts: transformers imports it lazily
+    load = lambda: cls.from_pretrained(path, attn_implementation="sdpa").eval()
 before = rss_kib()
 t = time.perf_counter()
 model = load()
 seconds = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+# VmHWM is the peak of this process image alone; ru_maxrss would also count the parent's
+# peak, which a forked child inherits on Linux (it read 1.5 GiB for every load here).
+peak = status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"load_s": seconds, "rss_before_kib": before, "rss_after_kib": rss_kib(), "peak_rss_kib": peak,
                   "params": sum(p.numel() for p in model.parameters())}))
 """
@@ -494,7 +498,8 @@ def section_load(args) -> dict[str, Any]:
                     if i:  # the first round warms the page cache
                         runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
             result[name] = {kind: _load_summary(rows) for kind, rows in runs.items()}
-    log("| checkpoint | loader | load s (median) | peak RSS MiB | RSS added by the load MiB |\n|---|---|---|---|---|")
+    log("| checkpoint | loader | load s (median) | peak RSS MiB (VmHWM) | peak minus RSS before the load MiB |\n"
+        "|---|---|---|---|---|")
     for name, r in result.items():
         for kind, s in r.items():
             log(f"| {name} | {kind} | {s['load_s']:.3f} | {s['peak_rss_mib']:.0f} | {s['peak_minus_before_mib']:.0f} |")
