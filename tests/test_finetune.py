@@ -93,20 +93,23 @@ def assert_same_weights(a: dict, b: dict, **tol) -> None:
 
 @pytest.fixture(scope="module")
 def sms_run(tmp_path_factory, minilm_path) -> Path:
-    """Fine-tune the bundled all-MiniLM-L6-v2 on a slice of SMS spam: 128 training
-    messages (64 ham, 64 spam, so that a few steps see enough spam), 8 steps of 16, and
-    validation on 160 messages in their natural proportions (about 87% ham)."""
+    """Fine-tune the bundled all-MiniLM-L6-v2 on a slice of SMS spam: 192 training
+    messages, 96 ham and 96 spam (so that a few steps see enough spam), 24 steps of 8
+    messages cut to 16 tokens; validation on 48 ham and 48 spam. With balanced classes,
+    chance and the majority-class rate are both 0.5."""
     root = tmp_path_factory.mktemp("sms_run")
     splits = builtin_splits("sms")
-    train = splits["train"]
-    ham = [i for i, label in enumerate(train.labels) if label == "ham"][:64]
-    spam = [i for i, label in enumerate(train.labels) if label == "spam"][:64]
-    write_texts(train.subset(sorted(ham + spam)), root / "train.csv")
-    write_texts(splits["validation"].subset(range(160)), root / "validation.csv")
+
+    def balanced(ds, n):
+        ham = [i for i, label in enumerate(ds.labels) if label == "ham"][:n]
+        return ds.subset(sorted(ham + [i for i, label in enumerate(ds.labels) if label == "spam"][:n]))
+
+    write_texts(balanced(splits["train"], 96), root / "train.csv")
+    write_texts(balanced(splits["validation"], 48), root / "validation.csv")
     out = root / "run"
     assert run_cli("--checkpoint", minilm_path, "--train", root / "train.csv", "--validation", root / "validation.csv",
-                   "--output-dir", out, "--epochs", "1", "--batch-size", "16", "--max-length", "24", "--lr", "1e-4",
-                   "--warmup-ratio", "0.1", "--eval-batch-size", "80", "--metric-for-best", "macro_f1") == 0  # fmt: skip
+                   "--output-dir", out, "--epochs", "1", "--batch-size", "8", "--max-length", "16", "--lr", "1.5e-4",
+                   "--warmup-steps", "2", "--eval-batch-size", "96", "--metric-for-best", "macro_f1") == 0  # fmt: skip
     return out
 
 
@@ -114,24 +117,24 @@ def sms_run(tmp_path_factory, minilm_path) -> Path:
 def test_real_run_on_sms_spam_is_well_above_chance(sms_run):
     m = metrics_of(sms_run)
     validation = m["evaluations"][-1]["validation"]
-    counts = validation["per_class"]
-    majority = max(c["support"] for c in counts.values()) / validation["n"]
-    print(f"SMS validation: accuracy {validation['accuracy']:.4f} (majority class {majority:.4f}), "
-          f"macro-F1 {validation['macro_f1']:.4f}")  # fmt: skip
-    # Always answering "ham" scores the majority rate (~0.87) and macro-F1 ~0.47. The bounds
-    # demand that most spam is caught without many false alarms.
-    assert 0.8 < majority < 0.95
-    assert validation["accuracy"] >= 0.95
-    assert validation["macro_f1"] >= 0.85
-    assert m["status"] == "completed" and m["global_step"] == 8
+    supports = [c["support"] for c in validation["per_class"].values()]
+    print(f"SMS validation: accuracy {validation['accuracy']:.4f}, macro-F1 {validation['macro_f1']:.4f}, "
+          f"confusion {validation['confusion']}")  # fmt: skip
+    assert supports == [48, 48]  # balanced: chance, and always answering one label, score 0.5
+    # Measured 0.896 (5 errors each way); an untrained head stays near 0.5. 0.8 is far above
+    # chance while leaving room for other BLAS libraries' rounding.
+    assert validation["accuracy"] >= 0.8
+    assert validation["macro_f1"] >= 0.8
+    assert m["status"] == "completed" and m["global_step"] == 24
+    assert sum(s["loss"] for s in m["steps"][-6:]) < sum(s["loss"] for s in m["steps"][:6])
     # The outputs the issue asks for.
     for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "metrics.json",
                  "training_curves.png", "training_config.json", "last-checkpoint.pt"):  # fmt: skip
         assert (sms_run / name).is_file(), name
     assert (sms_run / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = json.loads((sms_run / "training_config.json").read_text())
-    assert resolved["batch_size"] == 16 and resolved["labels"] == ["ham", "spam"] and resolved["total_steps"] == 8
-    assert len(m["steps"]) == 8 and all(s["loss"] > 0 for s in m["steps"])
+    assert resolved["batch_size"] == 8 and resolved["labels"] == ["ham", "spam"] and resolved["total_steps"] == 24
+    assert len(m["steps"]) == 24 and all(s["loss"] > 0 for s in m["steps"])
 
 
 @pytest.mark.slow
@@ -230,6 +233,21 @@ def test_interrupt_and_resume_equals_uninterrupted(tmp_path, sms_files, tiny_che
     assert_same_weights(load_last(tmp_path / "split")["model"], load_last(tmp_path / "full")["model"], atol=0, rtol=0)
 
 
+def test_freeze_encoder_and_bf16_train_only_the_head(tmp_path, sms_files, tiny_checkpoints):
+    from bert_port.classifier import BertForSequenceClassification
+
+    out = tmp_path / "frozen"
+    assert run_cli(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder",
+                              "--bf16")) == 0  # fmt: skip
+    trained = BertForSequenceClassification.from_pretrained(out).state_dict()
+    base = BertModel.from_pretrained(tiny_checkpoints["dropout"]).state_dict()
+    assert_same_weights({k: trained["bert." + k] for k in base}, base, atol=0, rtol=0)
+    state = load_last(out)["optimizer"]
+    assert [n for g in state["param_groups"] for n in g["names"]] == ["classifier.weight", "classifier.bias"]
+    assert all(float(s["exp_avg"].abs().sum()) > 0 for s in state["state"].values())  # the head was trained
+    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in metrics_of(out)["steps"])
+
+
 def test_checkpoint_writes_leave_no_temporary_files(tmp_path, sms_files, tiny_checkpoints):
     out = tmp_path / "run"
     assert run_cli(*tiny_args(sms_files, tiny_checkpoints["no_dropout"], out, "--epochs", "1", "--save-steps", "2")) == 0
@@ -276,6 +294,16 @@ def test_bundled_splits_are_fixed_documented_and_disjoint():
     assert any("that’s" in t for t in texts) and not any("\x80" <= c <= "\x9f" for t in texts for c in t)
     # The MR file: label = sign of the score; the first sentence is positive (2.27).
     assert load_mr().texts[0].startswith("The Rock is destined") and load_mr().labels[0] == "positive"
+
+
+def test_files_round_trip_in_every_format(tmp_path):
+    from bert_port.data import TextDataset, load_texts
+
+    texts = ['quotes "inside", a comma', "a newline\nand a\ttab", "unicode \u2028 separator, café"]
+    dataset = TextDataset(texts=texts, labels=["1", "0", "1"], pairs=["x", "y", "z"])
+    for suffix in (".csv", ".tsv", ".jsonl"):
+        back = load_texts(write_texts(dataset, tmp_path / f"d{suffix}"), text_pair_column="text_pair")
+        assert (back.texts, back.pairs, back.labels) == (dataset.texts, dataset.pairs, dataset.labels), suffix
 
 
 def test_export_dataset_writes_the_split(tmp_path, capsys):

@@ -55,13 +55,21 @@ OPTIONS = [
     ("freeze_encoder", bool, "train only the classifier head; the encoder stays as loaded"),
     ("metric_for_best", str, "validation metric choosing the saved checkpoint: accuracy (default), macro_f1, loss"),
     ("output_dir", str, "where the best checkpoint (HF format), metrics.json, curves and resume state go"),
-    ("overwrite", bool, "start afresh in an output dir that already holds a run"),
+    ("overwrite", bool, "start afresh in an output dir that already holds a run (ignored with --resume)"),
     ("resume", bool, "continue from last-checkpoint.pt in --output-dir (same settings)"),
     ("save_steps", int, "also write the resumable checkpoint every N steps (always: every epoch, on Ctrl-C)"),
     ("stop_after_steps", int, "stop after N steps as if interrupted, keeping the full schedule; --resume later"),
     ("device", str, "'auto' (default: CUDA if present), 'cpu', 'cuda' or 'cuda:N'"),
     ("compare_to", str, "another run's output dir: report the per-step loss difference and plot both"),
 ]  # fmt: skip
+
+
+CHOICES = {
+    "reference": ("port", "hf"),
+    "attn_implementation": ("sdpa", "eager"),
+    "dataset": ("mr", "sms"),
+    "metric_for_best": ("accuracy", "macro_f1", "loss"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, choices=CHOICES.get(name), help=text)
     return parser
 
 
