@@ -136,7 +136,8 @@ class BertPreTrainedModel(nn.Module):
         if config is None:
             config = BertConfig.from_json_file(files.config_file, **kwargs)
         elif kwargs:
-            config = BertConfig.from_dict(config.to_dict(), attn_implementation=config.attn_implementation, **kwargs)
+            runtime = {"attn_implementation": config.attn_implementation, "unpad_inputs": config.unpad_inputs}
+            config = BertConfig.from_dict(config.to_dict(), **{**runtime, **kwargs})
         state = ckpt.read_weights(files.weights_file)
         with meta_init():
             model = cls(config, **init_kwargs)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import fast
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
 from .utils import get_activation, get_extended_attention_mask
@@ -239,7 +240,25 @@ class BertModel(BertPreTrainedModel):
         output_attentions: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
         """Run every layer. Returns the last hidden state and, when asked for, all hidden
-        states (embeddings first) and all attention probabilities."""
+        states (embeddings first) and all attention probabilities.
+
+        With SDPA and a 2-D padding mask (the usual tokenizer batch), the layers run on the
+        real tokens only (`fast.encode_unpadded`): dense layers, FFN and LayerNorms on N real
+        rows instead of B*T, Q/K/V in one fused matmul. Real-token outputs equal the padded
+        path's within fp32 rounding (kernel blocking); padding positions come out as zeros.
+        The eager path, decoders, 3-D/4-D masks, `output_attentions`, left-padded batches
+        (whose pooler reads a pad position) and `config.unpad_inputs=False` keep the padded
+        path, which mirrors transformers operation for operation.
+        """
+        if self._use_unpadded(attention_mask, output_attentions):
+            last, all_hidden = fast.encode_unpadded(
+                self.bert_layers,
+                hidden_states,
+                attention_mask,
+                attention=fast.default_attention_kind(hidden_states.device, hidden_states.dtype, self.training),
+                output_hidden_states=output_hidden_states,
+            )
+            return last, all_hidden, None
         use_bool = self.config.attn_implementation == "sdpa" and not output_attentions
         extended_mask = get_extended_attention_mask(
             attention_mask,
@@ -264,6 +283,15 @@ class BertModel(BertPreTrainedModel):
             tuple(all_hidden) if output_hidden_states else None,
             tuple(all_attn) if output_attentions else None,
         )
+
+    def _use_unpadded(self, attention_mask: Tensor | None, output_attentions: bool) -> bool:
+        cfg = self.config
+        if not cfg.unpad_inputs or cfg.attn_implementation != "sdpa" or attention_mask is None:
+            return False
+        if not fast.can_use_fast_path(attention_mask, is_decoder=cfg.is_decoder, output_attentions=output_attentions):
+            return False
+        # Without padding there is nothing to skip, and the padded path is transformers' bit for bit.
+        return not bool(attention_mask.bool().all())
 
     def forward(
         self,

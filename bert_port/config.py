@@ -57,6 +57,9 @@ class BertConfig:
     problem_type: str | None = None  # "single_label_classification" | "regression" | ...
     # Runtime choice, not part of the checkpoint: never written to config.json.
     attn_implementation: str = "sdpa"
+    # Runtime choice: run the encoder's dense layers on real tokens only when the batch has a
+    # 2-D padding mask (see fast.py). Within the fp32 parity bar, not bitwise; never written.
+    unpad_inputs: bool = True
     # Every config.json field this dataclass does not model, kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -171,8 +174,9 @@ class BertConfig:
             value = getattr(self, f.name)
             # attn_implementation is a runtime choice, and these three are None unless the model is
             # a classifier: written only when the config.json that was read had them.
-            if f.name in ("attn_implementation", "id2label", "label2id", "problem_type") and f.name not in read:
-                if f.name == "attn_implementation" or value is None:
+            runtime = ("attn_implementation", "unpad_inputs")
+            if f.name in (*runtime, "id2label", "label2id", "problem_type") and f.name not in read:
+                if f.name in runtime or value is None:
                     continue
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}

@@ -50,9 +50,12 @@ def _one_thread():
 
 def _pair(config: dict, attn: str = "eager", add_pooling_layer: bool = True):
     """transformers' BertModel and ours with the same (random) weights, loaded through the
-    production loader."""
+    production loader. The matrix checks the padded path, which mirrors transformers
+    everywhere including pad positions; `test_unpadded_default_matches_transformers` and
+    tests/test_fast.py check the unpadded default on real tokens."""
     hf = hf_model(config, attn=attn, add_pooling_layer=add_pooling_layer)
-    ours = BertModel(BertConfig.from_dict(config, attn_implementation=attn), add_pooling_layer=add_pooling_layer)
+    config = BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False)
+    ours = BertModel(config, add_pooling_layer=add_pooling_layer)
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.eval()
 
@@ -304,7 +307,7 @@ def test_no_pooler_tiny(attn, caplog):
     hf_full = hf_model(TINY, attn=attn)
     hf_bare = hf_model(TINY, attn=attn, add_pooling_layer=False)
     hf_bare.load_state_dict({k: v for k, v in hf_full.state_dict().items() if not k.startswith("pooler.")})
-    ours = BertModel(BertConfig.from_dict(TINY, attn_implementation=attn), add_pooling_layer=False)
+    ours = BertModel(BertConfig.from_dict(TINY, attn_implementation=attn, unpad_inputs=False), add_pooling_layer=False)
     with caplog.at_level(logging.WARNING, logger="bert_port"):
         ours.load_hf_state_dict(hf_full.state_dict())
     assert "not used by BertModel" in caplog.text and "pooler_dense.weight" in caplog.text
@@ -559,7 +562,9 @@ def real(minilm_path):
 
     models = {}
     for attn in ATTNS:
-        ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn)
+        # The padded path, compared everywhere (pad positions too); the unpadded default is
+        # compared on real tokens in tests/test_fast.py.
+        ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, unpad_inputs=False)
         ref = transformers.BertModel.from_pretrained(str(minilm_path), attn_implementation=attn).eval()
         models[attn] = (ref, ours)
     batch = encode(load_tokenizer(minilm_path), REAL_SENTENCES)
@@ -656,3 +661,27 @@ def test_real_gradient_parity(real):
     assert expected.keys() == grads[1].keys()
     for name, grad in grads[1].items():
         torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu", "silu"])
+@pytest.mark.parametrize("pad", ["right", "holes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpadded_default_matches_transformers(act, pad, dtype):
+    """The default model (SDPA, unpadded execution) against transformers' SDPA on real
+    tokens and the pooler: bitwise here in fp32 and in bf16, since every real row goes
+    through the same kernels; padding positions are zeros by design."""
+    config = dict(TINY, hidden_act=act)
+    hf = hf_model(config, attn="sdpa").to(dtype)
+    ours = BertModel(BertConfig.from_dict(config)).to(dtype)
+    ours.load_hf_state_dict(hf.state_dict())
+    ours.eval()
+    assert ours.config.unpad_inputs and ours.config.attn_implementation == "sdpa"
+    batch = random_batch(TINY["vocab_size"], B=4, T=11)
+    if pad == "holes":  # a 0 inside a row: still a 2-D padding mask, still unpadded
+        batch["attention_mask"][0, 4] = 0
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected, actual = _hf(hf, **batch), ours(**batch)
+    torch.testing.assert_close(actual.last_hidden_state[real], expected.last_hidden_state[real], atol=0, rtol=0)
+    torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=0, rtol=0)
+    assert not actual.last_hidden_state[~real].any()

@@ -69,8 +69,9 @@ def test_main_passes_on_bundled_checkpoint(passing_run, minilm_path, hf_referenc
     ]  # fmt: skip
     assert fp32["tolerance"] == {"atol": 5e-6, "rtol": 0.0}
     for site in fp32["sites"]:
-        assert site["passed"] and site["ours"]["max_abs"] <= REAL_CHECKPOINT_ATOL, site
-        assert site["spread"] is not None and site["ours"]["elements"] > 0
+        assert site["passed"] and site["spread"] is not None and site["ours"]["elements"] > 0, site
+        if site["gated"]:  # pad positions are informational: the unpadded default writes zeros there
+            assert site["ours"]["max_abs"] <= REAL_CHECKPOINT_ATOL, site
     batch_names = [b["name"] for b in report["batches"]]
     assert "max-length row (T=16)" in batch_names and "all-pad row + [CLS]-only row" in batch_names
 

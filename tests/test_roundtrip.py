@@ -29,9 +29,14 @@ def _port_from_hf(hf, config: dict, attn: str = "eager") -> BertModel:
 
 
 def _run(model, batch):
+    """Last hidden state on real tokens (pad positions zeroed: the port's unpadded default
+    writes zeros there, transformers computes values no consumer reads) and the pooler."""
     with torch.no_grad():
         out = model(**batch)
-    return out["last_hidden_state"], out["pooler_output"]
+    hidden = out["last_hidden_state"]
+    if isinstance(batch, dict) and "attention_mask" in batch:
+        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], 0)
+    return hidden, out["pooler_output"]
 
 
 def _assert_bitwise(actual, expected):
