@@ -1,29 +1,31 @@
 """Fast paths for the BERT encoder: unpadded (variable-length) execution, a fused QKV
-projection and bf16 autocast on the CPU, plus an optional `torch.compile` wrapper.
+projection and bf16 autocast, plus an optional `torch.compile` wrapper.
 
 These are plain functions over the modules of `bert.py`: they read a `BertLayer`'s
 parameters and never own any, so the state dict, the key table and the assignment-style
 structure of `bert.py` stay as they are. `BertModel.encode` calls `encode_unpadded` when
-`can_use_fast_path` says the batch allows it; `BertSelfAttention.forward` may call `qkv_projection`.
+`can_use_fast_path` says the batch allows it; `BertSelfAttention.forward` may call
+`qkv_projection`.
 
 Unpadded execution: a padded batch (B, T, H) with a (B, T) padding mask holds N real
 tokens. The dense layers, the FFN and the LayerNorms act on each token on its own, so they
 run on the (N, H) real rows only; attention is the one place where tokens meet, and it
-runs per sequence on the padded layout of the (N, 3H) projections (see `varlen_attention`).
+runs within each sequence (by default through the same SDPA kernel and padded layout that
+transformers uses, on the (N, 3H) projections scattered back; see `varlen_attention`).
 On the MR movie-review batches about half of a padded batch is padding.
 
-Why the results stay within the parity bar: every row of every matmul, GELU and LayerNorm
-is computed from the same numbers as in the padded path; only the kernels' blocking may
-differ (rounding at the 1e-7 level in fp32). Padding positions of the output are zeros
-rather than the values the padded path computes from pad tokens (which no consumer of a
-BERT should read: they are masked out of every attention and of mean pooling).
+Parity: every row of every matmul, GELU and LayerNorm is computed from the same numbers
+as in the padded path. On the CPU the default path gave bit-identical real tokens to
+transformers' sdpa path on 40 MR batches of all-MiniLM-L6-v2; the other attention kinds
+round differently (up to 3e-6). Padding positions of the output are zeros rather than the
+values the padded path computes from pad tokens (which no consumer of a BERT should read:
+they are masked out of every attention and of mean pooling).
 
 Shapes: B batch, T padded length, N real tokens, H hidden, nh heads, hs head size.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -33,8 +35,6 @@ from torch import Tensor
 
 if TYPE_CHECKING:  # imported for annotations only: bert.py will import this module
     from .bert import BertLayer, BertSelfAttention
-
-log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("padded_sdpa", "padded_eager", "per_sequence", "nested", "block_diagonal", "varlen")
 
@@ -142,7 +142,8 @@ def qkv_weight(attn: BertSelfAttention) -> tuple[Tensor, Tensor]:
     as a parameter or buffer, so the state dict is unchanged) and rebuilt when any of the
     six tensors is replaced, moved, cast or modified in place (identity, storage and
     autograd version counter are compared). An in-place change through `.data` bypasses
-    the version counter: call `clear_caches` after one.
+    the version counter: call `clear_caches` after one. The cache holds a second copy of
+    the QKV weights (3H x H per layer: 10 MiB for all-MiniLM-L6-v2, 81 MiB for bert-base).
     """
     linears = (attn.query, attn.key, attn.value)
     tensors = tuple(lin.weight for lin in linears) + tuple(lin.bias for lin in linears)

@@ -304,10 +304,30 @@ def _tf32_gflops(device: torch.device, n: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _roofline_probe(device: torch.device, dtype: torch.dtype, n: int) -> tuple[Callable, float]:
+def _roofline_probe(
+    device: torch.device, dtype: torch.dtype, n: int, model_call: Callable, batch: dict
+) -> tuple[Callable, float]:
+    """A matmul timed as one more variant, repeated so that it lasts about as long as one
+    model call: it then samples the machine's speed in the same moments as the models."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return (lambda _batch: a @ b), 2.0 * n**3
+    a @ b
+    model_call(batch)
+    sync(device)
+    t = time.perf_counter()
+    model_call(batch)
+    sync(device)
+    t_model = time.perf_counter() - t
+    t = time.perf_counter()
+    a @ b
+    sync(device)
+    k = max(1, round(t_model / (time.perf_counter() - t)))
+
+    def probe(_batch):
+        for _ in range(k):
+            a @ b
+
+    return probe, 2.0 * n**3 * k
 
 
 def throughput_rows(
@@ -338,7 +358,7 @@ def throughput_rows(
         probe_n = 512 if (args.quick or (device.type == "cpu" and probe_dtype != torch.float32)) else 1024
         if device.type == "cuda":
             probe_n = 4096
-        timed["matmul"], probe_flops = _roofline_probe(device, probe_dtype, probe_n)
+        timed["matmul"], probe_flops = _roofline_probe(device, probe_dtype, probe_n, variants["transformers"], batches[0])
         diffs = parity(variants, reference_fp32, batches)
         if precision != "fp32":
             diffs["transformers fp32"] = 0.0
@@ -469,10 +489,14 @@ before = rss_kib()
 t = time.perf_counter()
 model = load()
 seconds = time.perf_counter() - t
+peak_load = status_kib("VmHWM")
+with torch.no_grad():  # touches every layer's weights (mmap-backed ones get paged in)
+    model(torch.full((1, 8), 100))
 # VmHWM is the peak of this process image alone; ru_maxrss would also count the parent's
 # peak, which a forked child inherits on Linux (it read 1.5 GiB for every load here).
-peak = status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"load_s": seconds, "rss_before_kib": before, "rss_after_kib": rss_kib(), "peak_rss_kib": peak,
+peak = peak_load or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"load_s": seconds, "rss_before_kib": before, "peak_rss_kib": peak,
+                  "rss_after_forward_kib": rss_kib(),
                   "params": sum(p.numel() for p in model.parameters())}))
 """
 
@@ -498,11 +522,12 @@ def section_load(args) -> dict[str, Any]:
                     if i:  # the first round warms the page cache
                         runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
             result[name] = {kind: _load_summary(rows) for kind, rows in runs.items()}
-    log("| checkpoint | loader | load s (median) | peak RSS MiB (VmHWM) | peak minus RSS before the load MiB |\n"
-        "|---|---|---|---|---|")
+    log("| checkpoint | loader | load s (median) | peak RSS during load MiB (VmHWM) | of which the load "
+        "MiB | RSS after one forward MiB |\n|---|---|---|---|---|---|")  # fmt: skip
     for name, r in result.items():
         for kind, s in r.items():
-            log(f"| {name} | {kind} | {s['load_s']:.3f} | {s['peak_rss_mib']:.0f} | {s['peak_minus_before_mib']:.0f} |")
+            log(f"| {name} | {kind} | {s['load_s']:.3f} | {s['peak_rss_mib']:.0f} | {s['peak_minus_before_mib']:.0f} "
+                f"| {s['rss_after_forward_mib']:.0f} |")  # fmt: skip
     return result
 
 
@@ -512,6 +537,7 @@ def _load_summary(rows: list[dict]) -> dict[str, float]:
         "load_s": med("load_s"),
         "peak_rss_mib": med("peak_rss_kib") / 1024,
         "peak_minus_before_mib": statistics.median((r["peak_rss_kib"] - r["rss_before_kib"]) / 1024 for r in rows),
+        "rss_after_forward_mib": med("rss_after_forward_kib") / 1024,
         "params": rows[0]["params"],
         "runs": rows,
     }
