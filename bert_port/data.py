@@ -156,8 +156,8 @@ def load_texts(
     row without text or label."""
     records, lines = read_records(path)
     columns = _columns(records)
-    wanted = [("--text-column", text_column), ("--text-pair-column", text_pair_column), ("--label-column", label_column)]
-    for flag, name in wanted:
+    wanted = {"--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column}
+    for flag, name in wanted.items():
         if name is not None and name not in columns:
             raise DataError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}); "
                             f"pass the right name with {flag}")  # fmt: skip
@@ -375,5 +375,5 @@ def length_sorted(dataset: TextDataset) -> list[int]:
     """Example indices from longest to shortest text (characters): evaluation batches of
     similar lengths waste less time on padding, and the longest batch comes first so an
     out-of-memory error shows at once."""
-    key = (lambda i: len(dataset.texts[i]) + len(dataset.pairs[i])) if dataset.pairs else (lambda i: len(dataset.texts[i]))
-    return sorted(range(len(dataset)), key=key, reverse=True)
+    pairs = dataset.pairs or [""] * len(dataset)
+    return sorted(range(len(dataset)), key=lambda i: len(dataset.texts[i]) + len(pairs[i]), reverse=True)

@@ -61,7 +61,6 @@ from .data import (
     builtin_splits,
     check_labels,
     chunks,
-    label_ids,
     label_names,
     length_sorted,
     load_texts,
@@ -184,7 +183,9 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     data = {k.replace("-", "_"): v for k, v in data.items() if not k.startswith("_")}  # "_comment" keys allowed
     unknown = sorted(set(data) - known)
     if unknown:
-        raise FinetuneError(f"{path}: unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(sorted(known))}")
+        raise FinetuneError(
+            f"{path}: unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(sorted(known))}"
+        )
     return data
 
 
@@ -417,13 +418,11 @@ def evaluate(
     for indices in tqdm(batches, desc=desc, leave=False, disable=not dist_info.is_main, dynamic_ncols=True):
         batch = {k: v.to(device) for k, v in collate(indices).items()}
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"]
-            ).logits.float()
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+            logits = model(**inputs).logits.float()
         loss_sum += per_example_loss(logits, batch["labels"], PROBLEM_TYPE).sum().double()
-        confusion.index_put_(
-            (batch["labels"], logits.argmax(-1)), torch.ones(len(indices), dtype=torch.float64, device=device), accumulate=True
-        )
+        ones = torch.ones(len(indices), dtype=torch.float64, device=device)
+        confusion.index_put_((batch["labels"], logits.argmax(-1)), ones, accumulate=True)
     confusion = dist_info.sum(confusion)
     loss_sum = dist_info.sum(loss_sum)
     model.train(was_training)
@@ -595,7 +594,8 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     ax_loss.grid(alpha=0.3)
     ax_acc.grid(alpha=0.3)
     handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
-    ax_lr.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")  # top layer: above the lr line
+    # On the twin axes, the top layer, so that the lr line does not run over the legend.
+    ax_lr.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")
     if ax_acc.get_legend_handles_labels()[0]:
         ax_acc.legend(fontsize=7, loc="lower right")
     title = metrics.get("name", "")
@@ -729,12 +729,14 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
     scheduler = build_scheduler(optimizer, min(warmup, total_steps), total_steps)
     ddp_model: nn.Module = model
     if d.enabled:
-        ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        device_ids = [d.device.index] if d.device.type == "cuda" else None
+        ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
+    n_test = len(splits.test) if splits.test else 0
     resolved = {
         **dataclasses.asdict(cfg),
         "labels": names,
-        "sizes": {"train": n_train, "validation": len(splits.validation), "test": len(splits.test) if splits.test else 0},
+        "sizes": {"train": n_train, "validation": len(splits.validation), "test": n_test},
         "world_size": d.world_size,
         "micro_batch_size": micro,
         "steps_per_epoch": steps_per_epoch,
@@ -770,7 +772,7 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                 write_texts(getattr(splits, split), out / "data" / f"{split}.csv")
         log.info("%d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
                  "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %d warmup, on %s",
-                 n_train, len(splits.validation), len(splits.test) if splits.test else 0, names, steps_per_epoch,
+                 n_train, len(splits.validation), n_test, names, steps_per_epoch,
                  cfg.batch_size, micro, cfg.grad_accum_steps, d.world_size, total_steps, min(warmup, total_steps),
                  d.device)  # fmt: skip
 
@@ -829,8 +831,9 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                 save_model(model, out, source_dir)
             d.barrier()
         if d.is_main:
-            log.info("epoch %d step %d: validation loss %.4f accuracy %.4f macro-F1 %.4f%s", epoch + 1, global_step,
-                     result["loss"], result["accuracy"], result["macro_f1"], " (best so far)" if better else "")  # fmt: skip
+            log.info("epoch %d step %d: validation loss %.4f accuracy %.4f macro-F1 %.4f%s", epoch + 1,
+                     global_step, result["loss"], result["accuracy"], result["macro_f1"],
+                     " (best so far)" if better else "")  # fmt: skip
             write_json(metrics_doc("running"), out / METRICS_FILE)
 
     status = "completed"
@@ -840,7 +843,8 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
             sampler.start = step_in_epoch * cfg.grad_accum_steps * micro
             micro_batches = list(chunks(list(sampler), micro))
             bar = tqdm(total=min(steps_per_epoch, total_steps - global_step + step_in_epoch), initial=step_in_epoch,
-                       desc=f"epoch {epoch + 1}/{n_epochs}", unit="step", disable=not d.is_main, dynamic_ncols=True)  # fmt: skip
+                       desc=f"epoch {epoch + 1}/{n_epochs}", unit="step", disable=not d.is_main,
+                       dynamic_ncols=True)  # fmt: skip
             t_epoch = time.perf_counter()
             examples_epoch, start_step = 0, step_in_epoch
             for k in range(start_step, steps_per_epoch):
@@ -850,12 +854,15 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                 n_real = min(cfg.batch_size, n_train - k * cfg.batch_size)
                 batches, weights = [], []
                 for j, indices in enumerate(group):
-                    local = torch.arange(len(indices)) + (k * cfg.grad_accum_steps + j) * micro  # position in this rank's list
+                    # Positions in this process's list; global position = rank + local * world size.
+                    local = torch.arange(len(indices)) + (k * cfg.grad_accum_steps + j) * micro
                     weights.append(((d.rank + local * d.world_size) < n_train).float().to(d.device))
                     batches.append({key: v.to(d.device) for key, v in train_collate(indices).items()})
                 lr = optimizer.param_groups[0]["lr"]
-                loss_sum, grad_norm = train_step(ddp_model, optimizer, scheduler, batches, weights, n_real,
-                                                 world_size=d.world_size, max_grad_norm=cfg.max_grad_norm, bf16=cfg.bf16)  # fmt: skip
+                loss_sum, grad_norm = train_step(
+                    ddp_model, optimizer, scheduler, batches, weights, n_real,
+                    world_size=d.world_size, max_grad_norm=cfg.max_grad_norm, bf16=cfg.bf16,
+                )  # fmt: skip
                 loss = float(d.sum(loss_sum)) / n_real
                 global_step += 1
                 step_in_epoch = k + 1
@@ -920,5 +927,7 @@ def _check_resumable(state: dict[str, Any], cfg: FinetuneConfig, names: list[str
     differ = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_MUST_MATCH
               if saved.get(k) != getattr(cfg, k)]  # fmt: skip
     if differ:
-        raise FinetuneError(f"cannot resume from {path}: these settings differ from the run that wrote it:\n  - "
-                            + "\n  - ".join(differ) + "\nResume with the same settings, or start a new --output-dir")  # fmt: skip
+        raise FinetuneError(
+            f"cannot resume from {path}: these settings differ from the run that wrote it:\n  - "
+            + "\n  - ".join(differ) + "\nResume with the same settings, or start a new --output-dir"
+        )

@@ -57,11 +57,13 @@ def test_ignored_labels_leave_the_loss_as_in_transformers(tiny_config):
     hf, ours = _pair({**tiny_config, "num_labels": 3})
     batch, labels = random_batch(tiny_config["vocab_size"]), torch.tensor([2, -100, 0])
     with torch.no_grad():
-        torch.testing.assert_close(ours(**batch, labels=labels).loss, hf(**batch, labels=labels).loss, **TOL[torch.float32])
+        actual, expected = ours(**batch, labels=labels).loss, hf(**batch, labels=labels).loss
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
 
 
 def test_classifier_dropout_falls_back_to_hidden_dropout(tiny_config):
-    assert BertForSequenceClassification(BertConfig.from_dict(tiny_config)).dropout.p == tiny_config["hidden_dropout_prob"]
+    model = BertForSequenceClassification(BertConfig.from_dict(tiny_config))
+    assert model.dropout.p == tiny_config["hidden_dropout_prob"]
     model = BertForSequenceClassification(BertConfig.from_dict({**tiny_config, "classifier_dropout": 0.3}))
     assert model.dropout.p == 0.3
 

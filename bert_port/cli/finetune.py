@@ -13,7 +13,6 @@ Settings come from the dataclass defaults, then `--config FILE`, then the flags 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -76,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bert-port-finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", help="JSON file of settings (keys as the flags, with underscores); flags override it")
-    parser.add_argument("--export-dataset", metavar="DIR",
-                        help="with --dataset: write its train/validation/test split as CSV files into DIR and exit")  # fmt: skip
+    parser.add_argument("--config", help="JSON file of settings (keys as the flags, with underscores); flags win")
+    parser.add_argument(
+        "--export-dataset", metavar="DIR", help="with --dataset: write its train/validation/test split as CSV into DIR"
+    )
     for name, kind, text in OPTIONS:
         flag = "--" + name.replace("_", "-")
         if kind is bool:
@@ -137,16 +137,16 @@ def report(metrics: dict, wall_s: float) -> str:
         f"{metrics['name']}: {metrics['status']} after {metrics['global_step']} steps "
         f"({metrics['epochs_completed']:g} epochs of {cfg['steps_per_epoch']} steps, global batch {cfg['batch_size']}, "
         f"{cfg['world_size']} process(es) on {cfg['device']})",
-        f"  data: {cfg['sizes']['train']} train / {cfg['sizes']['validation']} validation / {cfg['sizes']['test']} test, "
-        f"labels {metrics['labels']}",
+        "  data: {train} train / {validation} validation / {test} test, ".format(**cfg["sizes"])
+        + f"labels {metrics['labels']}",
         f"  time: {wall_s:.1f} s wall, {metrics['train_time_s']:.1f} s in training steps "
         f"({metrics['train_examples_per_s']} examples/s)",
     ]
     for e in metrics["evaluations"]:
         v = e["validation"]
         train_loss = f"{e['train_loss']:.4f}" if e["train_loss"] is not None else "-"
-        lines.append(f"  epoch {e['epoch']} (step {e['step']}): train loss {train_loss}  validation loss {v['loss']:.4f}"
-                     f"  accuracy {v['accuracy']:.4f}  macro-F1 {v['macro_f1']:.4f}")  # fmt: skip
+        lines.append(f"  epoch {e['epoch']} (step {e['step']}): train loss {train_loss}  validation loss "
+                     f"{v['loss']:.4f}  accuracy {v['accuracy']:.4f}  macro-F1 {v['macro_f1']:.4f}")  # fmt: skip
     if metrics["best"]:
         b = metrics["best"]
         lines.append(f"  best: epoch {b['epoch']} (step {b['step']}), validation {b['metric']} {b['value']:.4f}")

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-pair-column", default=None, help="column holding the second segment, if any")
     parser.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
     parser.add_argument("--max-length", type=int, default=None,
-                        help="tokens per text (default: the max_length the model was trained with, else 128)")  # fmt: skip
+                        help="tokens per text (default: the max_length the model was trained with, else 128)")
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     return parser
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     trained = Path(args.model) / RESOLVED_CONFIG
     if max_length is None:
         max_length = json.loads(trained.read_text())["max_length"] if trained.is_file() else 128
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     probs = predict(model, load_tokenizer(model.source_dir), dataset, args.batch_size, max_length, device, args.bf16)
     names = [model.config.id2label[i] for i in range(probs.shape[1])]
