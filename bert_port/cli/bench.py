@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -163,8 +162,8 @@ def ratio(reference: list[float], times: list[float]) -> float:
 
 
 def port_fast_forward(model, batch: dict[str, Tensor], layer_fn=None, attention: str = "padded_sdpa"):
-    """`BertModel.forward` with the encoder replaced by `fast.encode_unpadded`: what the
-    model computes once fast.py is wired into `BertModel.encode`."""
+    """`BertModel.forward` with the encoder run by `fast.encode_unpadded` with the given
+    attention kind and layer function, whatever the model's own settings."""
     from bert_port import fast
 
     hidden = model.embed(batch["input_ids"], batch.get("token_type_ids"))
@@ -172,12 +171,28 @@ def port_fast_forward(model, batch: dict[str, Tensor], layer_fn=None, attention:
     if not fast.can_use_fast_path(mask, is_decoder=model.config.is_decoder):
         return model(**batch)
     hidden, _ = fast.encode_unpadded(model.bert_layers, hidden, mask, attention=attention, layer_fn=layer_fn)
-    pooled = model.pooler_af(model.pooler_dense(hidden[:, 0])) if model.add_pooling_layer else None
+    pooled = model.pooler_af(model.pooler_dense(hidden[:, 0]))
     return {"last_hidden_state": hidden, "pooler_output": pooled}
 
 
+@contextlib.contextmanager
+def padded_path(model):
+    """The model with `config.unpad_inputs` off: the padded path, transformers' own maths."""
+    config = model.config
+    old = getattr(config, "unpad_inputs", False)
+    config.unpad_inputs = False
+    try:
+        yield model
+    finally:
+        config.unpad_inputs = old
+
+
 def build_variants(ours, ref, precision: str, device: torch.device, compiled=None) -> dict[str, Callable]:
-    """Forward functions under no_grad, in `precision` (bf16/fp16: autocast, fp32 weights)."""
+    """Forward functions under inference mode, in `precision` (bf16/fp16: autocast, fp32
+    weights). "port" is the model as shipped (unpadded where `BertModel.encode` chooses
+    it); "port padded" turns that off; the last rows call fast.py with other settings."""
+    from bert_port import fast
+
     dtype = PRECISIONS[precision]
 
     def wrap(fn):
@@ -187,19 +202,21 @@ def build_variants(ours, ref, precision: str, device: torch.device, compiled=Non
 
         return run
 
-    from bert_port import fast
+    def padded(batch):
+        with padded_path(ours):
+            return ours(**batch)
 
     kind = fast.default_attention_kind(device, dtype or torch.float32, training=False)
     variants = {
         "transformers": wrap(lambda b: ref(**b)),
         "port": wrap(lambda b: ours(**b)),
-        f"port+fast.py ({kind})": wrap(lambda b: port_fast_forward(ours, b, attention=kind)),
-        "port+fast.py (per_sequence)": wrap(lambda b: port_fast_forward(ours, b, attention="per_sequence")),
+        "port padded (unpad_inputs=False)": wrap(padded),
+        "port, per-sequence attention": wrap(lambda b: port_fast_forward(ours, b, attention="per_sequence")),
     }
+    if kind != "padded_sdpa":
+        variants[f"port, {kind} attention"] = wrap(lambda b: port_fast_forward(ours, b, attention=kind))
     if compiled is not None:
-        variants[f"port+fast.py ({kind}) +compile"] = wrap(
-            lambda b: port_fast_forward(ours, b, layer_fn=compiled, attention=kind)
-        )
+        variants["port + torch.compile"] = wrap(lambda b: port_fast_forward(ours, b, layer_fn=compiled, attention=kind))
     return variants
 
 
@@ -280,7 +297,8 @@ def section_import(reps: int) -> dict[str, Any]:
 
 
 def section_roofline(device: torch.device, quick: bool) -> dict[str, float]:
-    log("\n## matmul roofline (best of 3, square n x n x n)")
+    log("\n## matmul speed (best of 3, square n x n x n); the roofline of each table below is instead the "
+        "model's own FFN matmul, timed inside its interleaved loop")
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     result = {"fp32": matmul_gflops(torch.float32, device, n)}
     # bf16 without hardware support is ~25x slower than fp32: a smaller matrix keeps it short.
@@ -305,12 +323,14 @@ def _tf32_gflops(device: torch.device, n: int) -> float:
 
 
 def _roofline_probe(
-    device: torch.device, dtype: torch.dtype, n: int, model_call: Callable, batch: dict
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], model_call: Callable, batch: dict
 ) -> tuple[Callable, float]:
-    """A matmul timed as one more variant, repeated so that it lasts about as long as one
-    model call: it then samples the machine's speed in the same moments as the models."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    """The roofline: the model's largest matmul, (real tokens, H) x (H, intermediate), timed
+    as one more variant and repeated so that it lasts about as long as one model call; it
+    then samples the machine's speed in the same moments as the models do."""
+    m, n_in, n_out = shape
+    a = torch.randn(m, n_in, device=device).to(dtype)
+    b = torch.randn(n_in, n_out, device=device).to(dtype)
     a @ b
     model_call(batch)
     sync(device)
@@ -327,7 +347,7 @@ def _roofline_probe(
         for _ in range(k):
             a @ b
 
-    return probe, 2.0 * n**3 * k
+    return probe, 2.0 * m * n_in * n_out * k
 
 
 def throughput_rows(
@@ -355,10 +375,11 @@ def throughput_rows(
         if precision != "fp32":
             timed["transformers fp32"] = reference_fp32
         probe_dtype = PRECISIONS[precision] or torch.float32
-        probe_n = 512 if (args.quick or (device.type == "cpu" and probe_dtype != torch.float32)) else 1024
-        if device.type == "cuda":
-            probe_n = 4096
-        timed["matmul"], probe_flops = _roofline_probe(device, probe_dtype, probe_n, variants["transformers"], batches[0])
+        probe_shape = (max(256, int(batches[0]["attention_mask"].sum())), ours.config.hidden_size,
+                       ours.config.intermediate_size)  # fmt: skip
+        timed["matmul"], probe_flops = _roofline_probe(
+            device, probe_dtype, probe_shape, variants["transformers"], batches[0]
+        )
         diffs = parity(variants, reference_fp32, batches)
         if precision != "fp32":
             diffs["transformers fp32"] = 0.0
@@ -378,7 +399,8 @@ def throughput_rows(
                 "roofline_fraction": statistics.median(a / m for a, m in zip(achieved, matmul)),
                 "max_abs_diff_vs_transformers_fp32": diffs[name],
             }
-        result["rows"][precision] = {"matmul_gflops_during_run": statistics.median(matmul), "variants": rows}
+        result["rows"][precision] = {"matmul_gflops_during_run": statistics.median(matmul),
+                                     "matmul_probe_shape": probe_shape, "variants": rows}  # fmt: skip
         _print_rows(f"{title}, {precision}" + ("" if precision == "fp32" else " autocast"), rows, precision)
     return result
 
@@ -598,10 +620,14 @@ def section_finetune(args, device: torch.device) -> dict[str, Any] | None:
 
         return run
 
+    def padded_loss(model, batch):
+        with padded_path(model.bert):
+            return model(**batch).loss
+
     variants = {
         "transformers": step(ref, opt_ref, lambda m, b: m(**b).loss),
         "port": step(ours, opt_ours, lambda m, b: m(**b).loss),
-        "port+fast.py": step(ours, opt_ours, _fast_classifier_loss),
+        "port padded (unpad_inputs=False)": step(ours, opt_ours, padded_loss),
     }
     times = interleave(variants, batches, reps, device, "finetune", seed=args.seed)
     rows = {
@@ -614,17 +640,6 @@ def section_finetune(args, device: torch.device) -> dict[str, Any] | None:
     for name, r in rows.items():
         log(f"| {name} | {r['step_ms']:.0f} | {r['time_vs_transformers']:.2f} |")
     return {"logits_max_abs_diff": diff, "batches": n, "reps": reps, "rows": rows}
-
-
-def _fast_classifier_loss(model, batch: dict[str, Tensor]) -> Tensor:
-    """The classifier's loss with its encoder run by `fast.encode_unpadded`."""
-    from bert_port import fast
-
-    bert = model.bert
-    hidden = bert.embed(batch["input_ids"], batch["token_type_ids"])
-    hidden, _ = fast.encode_unpadded(bert.bert_layers, hidden, batch["attention_mask"])
-    pooled = bert.pooler_af(bert.pooler_dense(hidden[:, 0]))
-    return F.cross_entropy(model.classifier(model.dropout(pooled)), batch["labels"])
 
 
 # -- profile ------------------------------------------------------------------------------
@@ -652,7 +667,7 @@ def section_profile(ours, ref, batches, device, profile_dir: str | None) -> dict
 
     log("\n## profile: fp32 MR batches, self time by category (torch.profiler, ms per batch)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    variants = build_variants(ours, ref, "fp32", device)
+    variants = {k: v for k, v in build_variants(ours, ref, "fp32", device).items() if "compile" not in k}
     result = {}
     for name, fn in variants.items():
         fn(batches[0])
