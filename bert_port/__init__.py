@@ -3,12 +3,14 @@
 from .bert import BertLayer, BertModel, BertSelfAttention, ModelOutput
 from .base_bert import BertPreTrainedModel
 from .checkpoint import CheckpointError
+from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
 from .tokenization import encode, load_tokenizer
 from .utils import get_extended_attention_mask
 
 __all__ = [
     "BertConfig",
+    "BertForSequenceClassification",
     "BertLayer",
     "BertModel",
     "BertPreTrainedModel",

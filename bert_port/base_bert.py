@@ -225,7 +225,11 @@ class BertPreTrainedModel(nn.Module):
         return new_keys
 
     def _is_unused_ok(self, key: str) -> bool:
-        # A checkpoint's pooler is fine to ignore for a model built without one.
+        # A checkpoint's pooler is fine to ignore for a model built without one, and a task
+        # head (a fine-tuned classifier's `classifier.*`) for a model without that head, as
+        # transformers does when a BertModel loads a BertForSequenceClassification checkpoint.
+        if key.startswith(ckpt.HEAD_PREFIXES):
+            return True
         return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not getattr(self, "add_pooling_layer", True)
 
     def _materialize_new(self, keys: list[str], dtype: torch.dtype | None, device: torch.device | None) -> None:

@@ -178,3 +178,18 @@ def test_loss_curve_matches_transformers_over_20_steps(minilm_path):
     expected = ref.state_dict()
     for key, tensor in ours.hf_state_dict().items():
         torch.testing.assert_close(tensor, expected[key], atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_base_model_loads_a_fine_tuned_checkpoint_and_reports_the_head(tmp_path, tiny_config, caplog):
+    """As transformers does: a BertModel built from a BertForSequenceClassification
+    checkpoint ignores (and names) the classifier keys, and equals the classifier's encoder."""
+    hf = hf_model(dict(tiny_config, num_labels=3), "BertForSequenceClassification")
+    hf.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="bert_port"):
+        ours = BertModel.from_pretrained(tmp_path, attn_implementation="eager")
+    assert "classifier.weight" in caplog.text and "classifier.bias" in caplog.text
+    batch = random_batch(tiny_config["vocab_size"])
+    with torch.no_grad():
+        expected = hf.bert(**batch).last_hidden_state
+        actual = ours(**batch).last_hidden_state
+    assert torch.equal(actual, expected)
