@@ -255,7 +255,7 @@ class BertModel(BertPreTrainedModel):
                 self.bert_layers,
                 hidden_states,
                 attention_mask,
-                attention=fast.default_attention_kind(hidden_states.device, hidden_states.dtype, self.training),
+                attention=fast.default_attention_kind(hidden_states.device, _compute_dtype(hidden_states), self.training),
                 output_hidden_states=output_hidden_states,
             )
             return last, all_hidden, None
@@ -378,6 +378,12 @@ class BertModel(BertPreTrainedModel):
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
                     f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
                 )
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matmuls run in: autocast's when it is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
