@@ -588,10 +588,6 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def tensor_summary(tensors: Iterable[tuple[str, Tensor]]) -> str:
-    return "\n".join(f"    {k}: {tuple(v.shape)}" for k, v in tensors)
-
-
 def non_finite(state_dict: Mapping[str, Tensor]) -> list[str]:
     """Names of floating tensors holding NaN or Inf."""
     bad = []
