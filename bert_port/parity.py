@@ -555,7 +555,8 @@ def format_report(report: Report) -> str:
                 f"  {name:<19}{_fmt(o.max_abs):>10}{_fmt(o.mean_abs):>10}{_fmt(o.max_rel):>10}{_fmt(1 - o.min_cos):>10}"
                 f" |{spread} |{used}" + ("   <- FAIL" if not site.passed else "")
             )
-        lines.append("  * last_hidden_state at padding: values no caller reads; they must only agree on NaN/Inf.")
+        lines.append("  * last_hidden_state at padding: values no caller reads (the port's default unpadded path "
+                     "writes zeros there); they must only agree on NaN/Inf.")
         if row.status == "FAIL":
             lines.append(f"  {describe_failure(row)}")
     lines += ["", "summary"]
