@@ -211,7 +211,15 @@ class BertPreTrainedModel(nn.Module):
             if device is not None:
                 tensor = tensor.to(device)
             prepared[key] = tensor
-        self.load_state_dict(prepared, strict=False, assign=True)
+        if any(p.is_meta for p in self.parameters()):
+            # Built on the meta device (from_pretrained): adopt the tensors, no copy made.
+            self.load_state_dict(prepared, strict=False, assign=True)
+        else:
+            # A live model: copy into its parameters, as torch does, so that the caller's
+            # tensors are not shared and an optimiser built earlier still holds the weights.
+            self.load_state_dict(prepared, strict=False)
+            if dtype is not None or device is not None:
+                self.to(device=device, dtype=dtype)
         self.loading_info = {
             "renamed": dict(conversion.renamed),  # checkpoint key -> HF name (prefixes, gamma/beta)
             "dropped": list(conversion.dropped),  # pretraining heads

@@ -254,7 +254,7 @@ class BertModel(BertPreTrainedModel):
             last, all_hidden = fast.encode_unpadded(
                 self.bert_layers,
                 hidden_states,
-                attention_mask,
+                attention_mask.to(hidden_states.device),  # as the padded path does
                 attention=fast.default_attention_kind(hidden_states.device, _compute_dtype(hidden_states), self.training),
                 output_hidden_states=output_hidden_states,
             )

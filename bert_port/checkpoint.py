@@ -54,7 +54,8 @@ HF_TO_PORT: dict[str, str] = {
     "pooler.dense.bias": "pooler_dense.bias",
 }
 PORT_TO_HF: dict[str, str] = {v: k for k, v in HF_TO_PORT.items()}
-assert len(PORT_TO_HF) == len(HF_TO_PORT), "HF_TO_PORT must be one-to-one"
+if len(PORT_TO_HF) != len(HF_TO_PORT):
+    raise ImportError("checkpoint.HF_TO_PORT must be one-to-one: two HF names map to the same port name")
 
 # Keys that real checkpoints carry and the encoder does not need. Buffers are accepted
 # silently; pretraining heads are dropped and reported.

@@ -136,44 +136,21 @@ def can_use_fast_path(
 def qkv_weight(attn: BertSelfAttention) -> tuple[Tensor, Tensor]:
     """The (3H, H) weight and (3H,) bias of query, key and value stacked, in that order.
 
-    With autograd recording and any of them trainable, the concatenation is taken afresh
-    each call, so gradients flow back to the three `nn.Linear`s and the optimiser keeps
-    updating the tensors the state dict names. Otherwise it is cached on the module (not
-    as a parameter or buffer, so the state dict is unchanged) and rebuilt when any of the
-    six tensors is replaced, moved, cast or modified in place (identity, storage and
-    autograd version counter are compared). An in-place change through `.data` bypasses
-    the version counter: call `clear_caches` after one. The cache holds a second copy of
-    the QKV weights (3H x H per layer: 10 MiB for all-MiniLM-L6-v2, 81 MiB for bert-base).
+    Concatenated afresh on every call (a 3H x H copy per layer, small next to the matmul
+    it feeds): gradients flow back to the three `nn.Linear`s, and no cache can go stale.
+    A cache keyed on the autograd version counter did go stale, because fused optimisers
+    (`AdamW(fused=True)`) update parameters in place without bumping it.
     """
     linears = (attn.query, attn.key, attn.value)
-    tensors = tuple(lin.weight for lin in linears) + tuple(lin.bias for lin in linears)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return torch.cat(tensors[:3]), torch.cat(tensors[3:])
-    stamp = tuple((t, t.data_ptr(), t._version) for t in tensors)
-    cached = attn.__dict__.get("_fused_qkv")
-    if cached is not None and _same_stamp(cached[0], stamp):
-        return cached[1], cached[2]
-    # Built outside inference mode so that the cache stays usable under plain no_grad.
-    with torch.inference_mode(False), torch.no_grad():
-        weight, bias = torch.cat(tensors[:3]), torch.cat(tensors[3:])
-    attn.__dict__["_fused_qkv"] = (stamp, weight, bias)
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears])
     return weight, bias
-
-
-def _same_stamp(a: tuple, b: tuple) -> bool:
-    return all(x[0] is y[0] and x[1] == y[1] and x[2] == y[2] for x, y in zip(a, b))
 
 
 def qkv_projection(attn: BertSelfAttention, x: Tensor) -> Tensor:
     """x (..., H) -> (..., 3H): query, key and value projections in one matmul."""
     weight, bias = qkv_weight(attn)
     return F.linear(x, weight, bias)
-
-
-def clear_caches(model: torch.nn.Module) -> None:
-    """Drop every cached fused QKV weight under `model` (e.g. after editing `.data`)."""
-    for module in model.modules():
-        module.__dict__.pop("_fused_qkv", None)
 
 
 # -- attention on packed sequences ----------------------------------------------------------

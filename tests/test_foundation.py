@@ -215,3 +215,15 @@ def test_gpu_parity_real_checkpoint(minilm_path):
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(actual.last_hidden_state[real], expected.last_hidden_state[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_loading_into_a_live_model_copies(tiny_config):
+    """Loading into a built model copies, as torch's load_state_dict does: the source's
+    tensors are not shared and the model's Parameters (which an optimiser may hold) stay."""
+    hf = hf_model(tiny_config)
+    model = BertModel(BertConfig.from_dict(tiny_config))
+    before = model.word_embedding.weight
+    model.load_hf_state_dict(hf.state_dict())
+    assert model.word_embedding.weight is before
+    assert model.word_embedding.weight.data_ptr() != hf.embeddings.word_embeddings.weight.data_ptr()
+    torch.testing.assert_close(model.word_embedding.weight, hf.embeddings.word_embeddings.weight, atol=0, rtol=0)
