@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from . import fast
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
-from .utils import get_activation, get_extended_attention_mask
+from .utils import additive_mask, get_activation, get_extended_attention_mask
 
 
 class ModelOutput(dict):
@@ -117,13 +117,9 @@ class BertSelfAttention(nn.Module):
         if self.attn_implementation == "sdpa" and not output_attentions:
             return self.sdpa(key_layer, query_layer, value_layer, attention_mask), None
         if attention_mask is not None and attention_mask.dtype == torch.bool:
-            attention_mask = _bool_to_additive(attention_mask, query_layer.dtype)
+            attention_mask = additive_mask(attention_mask, query_layer.dtype)
         context, probs = self.attention(key_layer, query_layer, value_layer, attention_mask)
         return context, probs if output_attentions else None
-
-
-def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
 
 class BertLayer(nn.Module):

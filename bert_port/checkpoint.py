@@ -584,11 +584,6 @@ def write_weights(state_dict: Mapping[str, Tensor], directory: Path, max_shard_s
     return [directory / n for n in names]
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_write(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-
-
 def non_finite(state_dict: Mapping[str, Tensor]) -> list[str]:
     """Names of floating tensors holding NaN or Inf."""
     bad = []

@@ -108,8 +108,13 @@ def get_extended_attention_mask(
     if as_bool:
         # A view with transformers' (B, 1, T, T) shape, so SDPA sees the same mask layout.
         return keep.expand(keep.shape[0], 1, seq_len, seq_len)
-    zero = torch.zeros((), dtype=dtype, device=keep.device)
-    return torch.where(keep, zero, torch.finfo(dtype).min)
+    return additive_mask(keep, dtype)
+
+
+def additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean mask (True = attend) -> additive: 0 where attended, `finfo(dtype).min` where
+    not (never -inf, so a fully masked row stays finite), as transformers builds it."""
+    return torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device), torch.finfo(dtype).min)
 
 
 def _check_prepared_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
