@@ -7,8 +7,8 @@ inputs and returns `hidden_states` (embeddings first) and `pooler_output` with
 `output_hidden_states=True`: `transformers.BertModel`, another port, or a test double. An
 optional third model, the reference under the other attention implementation, gives the
 *reference spread*: how far the reference is from itself when only the attention kernel
-changes. The default tolerances are set against that spread, and the report prints it
-beside our difference.
+changes. The tolerances are the project's policy (`tolerance.py`); the report prints
+that spread beside our difference.
 
 `check_matrix` repeats `compare` per device and dtype; `format_report`, `report_to_json`
 and `plot_report` present the result. Nothing here imports `transformers`: the CLI
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .tokenization import encode
+from .tolerance import TOLERANCES, Tolerance
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -39,36 +40,6 @@ DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 DEVICES = ("cpu", "cuda")
 
-
-@dataclass(frozen=True)
-class Tolerance:
-    """An element passes when |ours - ref| <= atol + rtol * |ref| (torch.isclose's rule)."""
-
-    atol: float
-    rtol: float
-
-    def __str__(self) -> str:
-        return f"|ours - ref| <= {self.atol:g} + {self.rtol:g} * |ref|"
-
-
-# Defaults per dtype, set against transformers' own eager-vs-sdpa spread on the same inputs
-# (all-MiniLM-L6-v2 on the CPU, the built-in inputs with their 512-token row, batch sizes
-# 8 and 16); the report prints that spread and the share of the tolerance it uses beside
-# ours, site by site, so a reader can judge the margin on their own checkpoint.
-#  - float32: the project's bar, 5e-6 max abs on real tokens, with no relative slack.
-#    transformers' spread peaks at 3.7e-6 (0.74 of the bar, at the 512-token row); the
-#    port's eager and sdpa paths give the reference's bits exactly on the CPU.
-#  - bfloat16 (8-bit mantissa): the spread reaches 0.07, mostly on small values, where an
-#    absolute term governs; 1e-1 + 2e-2 |ref| keeps it at <= 0.53 of the tolerance.
-#  - float16 (11-bit mantissa, 3 bits finer): the spread reaches 1.2e-2; 1.5e-2 +
-#    5e-3 |ref| keeps it at <= ~0.4.
-# Half precision can only catch errors larger than its own rounding noise; float32 is the
-# row that proves the port computes the same function.
-DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=5e-6, rtol=0.0),
-    torch.bfloat16: Tolerance(atol=1e-1, rtol=2e-2),
-    torch.float16: Tolerance(atol=1.5e-2, rtol=5e-3),
-}
 
 # Every compared tensor is a LayerNorm or tanh output, so O(1): the relative difference is
 # taken over elements with |ref| >= REL_FLOOR, below which atol governs anyway.
@@ -452,7 +423,7 @@ def check_matrix(
     """`compare` on copies of the models cast to every device x dtype. The models are left
     as they are; CUDA rows are skipped, with the reason, when no GPU is present. Float32
     runs with TF32 off."""
-    tolerances = {**DEFAULT_TOLERANCES, **(tolerances or {})}
+    tolerances = {**TOLERANCES, **(tolerances or {})}
     unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
     if unknown:
         raise ValueError(f"no tolerance for {', '.join(unknown)}: pass tolerances={{dtype: Tolerance(atol, rtol)}}")

@@ -24,7 +24,7 @@ import logging
 
 import pytest
 import torch
-from conftest import REAL_CHECKPOINT_ATOL, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
+from conftest import REAL_SENTENCES, TINY, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, CheckpointError, encode, load_tokenizer
 from bert_port.checkpoint import hf_to_port
@@ -585,7 +585,7 @@ def test_real_every_layer(real, attn):
     for got, want in zip(plain.hidden_states, expected.hidden_states, strict=True):
         if attn == "eager":
             assert torch.equal(got, want)
-        torch.testing.assert_close(got, want, atol=REAL_CHECKPOINT_ATOL, rtol=0)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
     for got, want in zip(actual.attentions, expected_attn, strict=True):
         assert torch.equal(got, want)
     _assert_same(plain.pooler_output, expected.pooler_output, attn)

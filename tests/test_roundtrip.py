@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REAL_SENTENCES, TINY, hf_model, random_batch
+from conftest import CONFIGS, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertModel, CheckpointError, encode, load_tokenizer
 from bert_port import checkpoint as ckpt
@@ -409,7 +409,7 @@ def test_org_name_id_and_transformers_agree_on_the_layout(tmp_path, monkeypatch,
     batch = encode(load_tokenizer(ours.source_dir), REAL_SENTENCES)
     actual, expected = _run(ours, batch), _run(ref, batch)
     real = batch["attention_mask"].bool()
-    torch.testing.assert_close(actual[0][real], expected[0][real], atol=5e-6, rtol=0)
+    torch.testing.assert_close(actual[0][real], expected[0][real], **TOL[torch.float32])
 
 
 def test_model_id_absent_names_the_directories_searched(tmp_path, monkeypatch, no_network):

@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa",
                    help="attention implementation for both models; the spread uses the other one (default sdpa)")
     p.add_argument("--atol", type=_non_negative_float, default=None,
-                   help="absolute tolerance for every dtype (default per dtype, see the report)")
+                   help="absolute tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)")
     p.add_argument("--rtol", type=_non_negative_float, default=None,
-                   help="relative tolerance for every dtype (default per dtype, see the report)")
+                   help="relative tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure of the report to this JSON file")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of per-layer error by device and dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype: parity.Tolerance(
             atol=tol.atol if args.atol is None else args.atol, rtol=tol.rtol if args.rtol is None else args.rtol
         )
-        for dtype, tol in parity.DEFAULT_TOLERANCES.items()
+        for dtype, tol in parity.TOLERANCES.items()
     }
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
