@@ -18,6 +18,11 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # (bert_port/tolerance.py), as keyword arguments of torch.testing.assert_close.
 TOL = {dtype: tol.kwargs() for dtype, tol in TOLERANCES.items()}
 
+# Exact mode: the padded eager path runs transformers' eager operations, in the same order,
+# on the same shapes, so it is bitwise equal to transformers' eager path under every kernel
+# family. Tests that compare with transformers bit for bit load the port this way.
+EXACT = dict(attn_implementation="eager", unpad_inputs=False)
+
 REAL_SENTENCES = [
     "the rock is destined to be the 21st century's new \" conan \" and that he's going to make a splash even greater than arnold schwarzenegger.",
     "A gripping, beautifully shot film that never lets go.",

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from conftest import TINY, TOL, hf_model, random_batch
+from conftest import EXACT, TINY, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertModel
 from bert_port.checkpoint import TOKENIZER_FILES
@@ -186,7 +186,7 @@ def test_base_model_loads_a_fine_tuned_checkpoint_and_reports_the_head(tmp_path,
     hf = hf_model(dict(tiny_config, num_labels=3), "BertForSequenceClassification")
     hf.save_pretrained(tmp_path)
     with caplog.at_level(logging.WARNING, logger="bert_port"):
-        ours = BertModel.from_pretrained(tmp_path, attn_implementation="eager")
+        ours = BertModel.from_pretrained(tmp_path, **EXACT)
     assert "classifier.weight" in caplog.text and "classifier.bias" in caplog.text
     batch = random_batch(tiny_config["vocab_size"])
     with torch.no_grad():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
+from conftest import CONFIGS, EXACT, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertModel, CheckpointError, encode, load_tokenizer
 from bert_port import checkpoint as ckpt
@@ -23,7 +23,9 @@ from bert_port.cli.convert import main as convert_main
 
 
 def _port_from_hf(hf, config: dict, attn: str = "eager") -> BertModel:
-    model = BertModel(BertConfig.from_dict(config, attn_implementation=attn))
+    """The port with `hf`'s weights, on the padded path: the same kernels on the same shapes
+    as transformers, so outputs can be compared bit for bit."""
+    model = BertModel(BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False))
     model.load_hf_state_dict(hf.state_dict())
     return model.eval()
 
@@ -79,7 +81,7 @@ def test_tiny_round_trip_is_bitwise(tmp_path, attn):
     back_in_hf = _hf_load(tmp_path, attn)
     for key, tensor in hf.state_dict().items():
         assert torch.equal(back_in_hf.state_dict()[key], tensor), key
-    back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation=attn)
+    back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation=attn, unpad_inputs=False)
     for pad in ("right", "left"):
         batch = random_batch(TINY["vocab_size"], pad=pad)
         expected = _run(ours, batch)
@@ -108,7 +110,7 @@ def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
     (Loading the fixture's safetensors copy is covered in test_foundation.)"""
     root, reference = bert_base_layout
     fmt = "bin"
-    ours = BertModel.from_pretrained(root / fmt, attn_implementation="eager")
+    ours = BertModel.from_pretrained(root / fmt, **EXACT)
     ours.save_pretrained(tmp_path)
     keys = ckpt.read_weights(tmp_path / "model.safetensors").keys()
     assert not [k for k in keys if k.startswith(("bert.", "cls.")) or k.endswith(("gamma", "beta"))]
@@ -119,7 +121,7 @@ def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
     back_in_hf = _hf_load(tmp_path)
     _assert_bitwise(_run(back_in_hf, batch), expected)
     del back_in_hf
-    back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation="eager")
+    back_in_port = BertModel.from_pretrained(tmp_path, **EXACT)
     _assert_bitwise(_run(back_in_port, batch), expected)
     written = json.loads((tmp_path / "config.json").read_text())
     read = json.loads((root / fmt / "config.json").read_text())
@@ -143,7 +145,7 @@ def test_sharded_save_loads_in_transformers_and_port(tmp_path):
     batch = random_batch(TINY["vocab_size"])
     expected = _run(ours, batch)
     _assert_bitwise(_run(_hf_load(tmp_path), batch), expected)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, attn_implementation="eager"), batch), expected)
+    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
 
     # Saving again unsharded removes the shards and index (model.safetensors would win anyway,
     # but stale shards must not linger); sharding again removes model.safetensors, which
@@ -152,7 +154,7 @@ def test_sharded_save_loads_in_transformers_and_port(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     ours.save_pretrained(tmp_path, max_shard_size=30_000)
     assert not (tmp_path / ckpt.SAFE_WEIGHTS).exists() and (tmp_path / ckpt.SAFE_INDEX).exists()
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, attn_implementation="eager"), batch), expected)
+    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
 
 
 def test_config_keeps_every_field_it_read(tmp_path):
@@ -225,7 +227,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch, shar
 
     assert _listing(tmp_path) == before  # same names, same bytes, no temporaries left
     assert all(not Path(c).exists() for c in calls)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, attn_implementation="eager"), batch), expected)
+    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
     _assert_bitwise(_run(_hf_load(tmp_path), batch), expected)
 
 
@@ -263,7 +265,7 @@ def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
     batch = random_batch(TINY["vocab_size"])
     expected = _run(reference, batch)
     _assert_bitwise(_run(_hf_load(tmp_path / "dst"), batch), expected)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path / "dst", attn_implementation="eager"), batch), expected)
+    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path / "dst", **EXACT), batch), expected)
 
 
 def test_convert_sharded_dtype_and_overwrite(tmp_path, capsys):
@@ -385,7 +387,7 @@ def test_model_id_found_in_hf_cache(tmp_path, monkeypatch, no_network, variable)
     _add_to_cache(cache, "bert-base-uncased", files("old"), "a" * 40, ref=None)  # an older snapshot
     snapshot = _add_to_cache(cache, "bert-base-uncased", files("new"), "b" * 40)
 
-    ours = BertModel.from_pretrained("bert-base-uncased", attn_implementation="eager")
+    ours = BertModel.from_pretrained("bert-base-uncased", **EXACT)
     assert ours.source_dir == snapshot
     batch = random_batch(TINY["vocab_size"])
     _assert_bitwise(_run(ours, batch), _run(new, batch))
