@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup parity test test-fast finetune bench clean
+.PHONY: setup parity test test-fast test-kernels finetune bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -26,6 +26,21 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# The parity verdict must not depend on the CPU: the fp32 parity check and the parity test
+# files again under other kernel families, which round float32 sums differently. KERNELS
+# names them: default (ATen's generic kernels), avx2 (ATen's AVX2 kernels) and onednn
+# (oneDNN and MKL capped at AVX2). CI runs the generic ones.
+KERNELS      ?= default avx2 onednn
+PARITY_TESTS := tests/test_tolerance.py tests/test_parity_check.py tests/test_interface.py tests/test_foundation.py \
+                tests/test_fast.py tests/test_roundtrip.py tests/test_classifier.py
+ENV_default  := ATEN_CPU_CAPABILITY=default
+ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
+ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-kernels: setup
+	$(foreach k,$(KERNELS),echo "== kernel family $(k): $(ENV_$(k))" && \
+	  env $(ENV_$(k)) $(VENV)/bin/bert-port-parity --device cpu --dtype float32 --no-progress && \
+	  env $(ENV_$(k)) $(PY) -m pytest -q $(PARITY_TESTS) && ) true
 
 finetune: setup
 	$(VENV)/bin/bert-port-finetune --config configs/finetune_mr_minilm.json
