@@ -14,20 +14,20 @@ its attention kernel changes. So the bar is set by a rule, not tuned on one CPU,
 report prints transformers' own eager-vs-sdpa spread beside ours against it: the aim is to
 be no further from transformers than transformers is from itself.
 
-- float32: torch.testing's float32 defaults, atol 1e-5 and rtol 1.3e-6. Measured on
-  all-MiniLM-L6-v2 with `bert-port-parity`'s built-in inputs (up to 512 tokens) under four
+- float32: torch.testing's float32 defaults, atol 1e-5 and rtol 1.3e-6. Measured with
+  `bert-port-parity` on all-MiniLM-L6-v2 (built-in inputs, up to 512 tokens) under four
   kernel families (native AVX-512, `ATEN_CPU_CAPABILITY=avx2` and `default`, oneDNN/MKL
-  capped at AVX2), the port uses at most ~0.53 of it and transformers' own spread ~0.73.
-  The classic port bugs (LayerNorm eps 1e-6, tanh GELU, swapped query/key, one weight off
-  by 1e-3) miss it by 40x or more; `tests/test_tolerance.py` plants each one.
+  capped at AVX2), the port uses at most 0.59 of it and transformers' own spread 0.74.
+  The classic port bugs (LayerNorm eps 1e-6, tanh GELU, swapped query/key, one weight
+  tensor off by 1e-3) miss it by 10x or more; `tests/test_tolerance.py` plants each one.
 - bfloat16, float16: rtol is torch.testing's default for the dtype (1.6e-2 and 1e-3, about
   two and one units in the last place). Its atol (1e-5) is meant for one operation; after
   a dozen layers the rounding error is absolute, set by the largest activations (O(10)
   after LayerNorm), so atol is founded on transformers' own spread in that dtype, with the
-  headroom float32 has: the worst spread measured under the four kernel families was
-  4.4e-2 (bf16) and 7.6e-3 (fp16), about 0.7 and 0.5 of these bars. Half precision cannot
-  see an error smaller than its own rounding: the float32 row is the one that proves the
-  port computes the same function.
+  headroom float32 has: under the same four kernel families that spread uses at most 0.77
+  (bf16) and 0.61 (fp16) of these bars, and the port 0. Half precision cannot see an
+  error smaller than its own rounding: the float32 row is the one that proves the port
+  computes the same function.
 """
 
 from __future__ import annotations
