@@ -245,10 +245,12 @@ def test_non_finite_weights(tmp_path, tiny_state, value):
 
     with pytest.raises(CheckpointError, match="non-finite") as err:
         BertModel.from_pretrained(tmp_path)  # default: error
-    assert "bert_layers.1.self_attention.key.weight (2 of 1024 values NaN/Inf)" in str(err.value)
-    assert "check_finite='warn'" in str(err.value)
+    # Named as in the file first, then the port's name.
+    named = "encoder.layer.1.attention.self.key.weight -> bert_layers.1.self_attention.key.weight (2 of 1024 values"
+    assert named in str(err.value)
+    assert str(err.value).endswith("Pass check_finite='warn' to load it anyway")
 
-    with pytest.warns(RuntimeWarning, match=r"non-finite weights: bert_layers\.1\.self_attention\.key\.weight"):
+    with pytest.warns(RuntimeWarning, match=r"non-finite weights: encoder\.layer\.1\.attention\.self\.key\.weight"):
         model = BertModel.from_pretrained(tmp_path, check_finite="warn")
     loaded = model.bert_layers[1].self_attention.key.weight
     assert torch.equal(torch.isfinite(loaded), torch.isfinite(bad))  # loaded as it is, as asked
@@ -265,7 +267,8 @@ def test_non_finite_half_precision(tmp_path, tiny_state):
     state = {k: v.to(torch.bfloat16) for k, v in tiny_state.items() if v.is_floating_point()}
     state["embeddings.LayerNorm.weight"][5] = float("inf")
     _write(tmp_path, state)
-    with pytest.raises(CheckpointError, match=r"embed_layer_norm\.weight \(1 of 32 values"):
+    named = r"embeddings\.LayerNorm\.weight -> embed_layer_norm\.weight \(1 of 32 values"
+    with pytest.raises(CheckpointError, match=named):
         BertModel.from_pretrained(tmp_path)
 
 

@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Loader arguments this command has a flag for: a library error that suggests one of them
+# is printed naming the flag (see CheckpointError.for_command_line).
+FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return convert(args)
     except (CheckpointError, ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
         return 2
 
 
