@@ -323,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         sides = {"checkpoint": f"{source.describe()}, read by both the port and transformers"}
     else:
         sides = {"checkpoint": f"{source.describe()}, read by the port",
-                 "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)"}
+                 "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)",
+                 "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
+                             "transformers': a FAIL means they differ beyond tolerance (without "
+                             "--reference-checkpoint, the port alone is checked)"}
     meta = {
         **sides,
         "model": (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
