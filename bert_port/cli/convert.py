@@ -66,6 +66,14 @@ def _model_class(state: dict[str, torch.Tensor]):
     return BertModel, {"add_pooling_layer": any(k.startswith("pooler.") for k in keys)}
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bytes, not values: torch.equal is False for NaN == NaN, so a checkpoint converted with
+    # --check-finite warn would never verify (and it calls -0.0 equal to 0.0).
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
 def _names(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
@@ -103,7 +111,7 @@ def convert(args: argparse.Namespace) -> int:
     saved = model.hf_state_dict()
     written = ckpt.locate_checkpoint(dst)
     reread = ckpt.read_weights(written.weights_file)
-    same = reread.keys() == saved.keys() and all(torch.equal(reread[k], saved[k].cpu()) for k in saved)
+    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
 
     renamed = info["renamed"]
     legacy = [k for k in renamed if k.endswith(("LayerNorm.gamma", "LayerNorm.beta"))]
