@@ -210,7 +210,7 @@ class BertPreTrainedModel(nn.Module):
                     )
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         if unused:
-            log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(unused))
+            log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(map(name, unused)))
 
         device = torch.device(device) if device is not None else None
         prepared = {}

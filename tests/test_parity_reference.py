@@ -121,3 +121,37 @@ def test_unreadable_reference_exits_2(minilm_path, tmp_path, capsys):
     code, text, _ = _run(["--reference-checkpoint", str(tmp_path / "nowhere")], tmp_path, capsys)
     assert code == 2
     assert f"cannot load reference checkpoint {tmp_path / 'nowhere'}" in text and "the path does not exist" in text
+
+
+@pytest.mark.parametrize("form", ["weights-file", "model-id"])
+def test_reference_in_any_form_checkpoint_accepts(minilm_path, perturbed, tmp_path, capsys, monkeypatch, form):
+    """A weights file under another name, or a model id in the local HF cache: transformers
+    reads that reference (the perturbed one), so the run fails at layer 3."""
+    if form == "weights-file":
+        (tmp_path / "config.json").write_text((perturbed / "config.json").read_text())
+        shutil.copyfile(perturbed / "model.safetensors", tmp_path / "step-100.safetensors")
+        reference = str(tmp_path / "step-100.safetensors")
+    else:
+        snapshot = tmp_path / "hub" / "models--org--suspect" / "snapshots" / "abc123"
+        snapshot.mkdir(parents=True)
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+        for f in perturbed.iterdir():
+            (snapshot / f.name).symlink_to(f)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        reference = "org/suspect"
+    code, text, report = _run(["--reference-checkpoint", reference], tmp_path, capsys)
+    assert code == 1, text
+    assert report["rows"][0]["first_failing_site"] == "layer 3"
+    assert report["meta"]["reference_checkpoint"].startswith(reference)
+    assert "from_pretrained read" in report["meta"]["reference"]
+
+
+def test_reference_without_pooler_asks_to_swap(minilm_path, tmp_path, capsys):
+    state = {k: v for k, v in load_file(str(minilm_path / "model.safetensors")).items() if not k.startswith("pooler.")}
+    bare = _copy(minilm_path, tmp_path / "bare", state)
+    code, text, _ = _run(["--reference-checkpoint", str(bare)], tmp_path, capsys)
+    assert code == 2 and "has no pooler" in text and "Swap the two" in text
+    code, text, report = _run(["--checkpoint", str(bare), "--reference-checkpoint", str(minilm_path)], tmp_path, capsys)
+    assert code == 0, text
+    assert "pooler_output" not in [s["name"] for s in report["rows"][0]["sites"]]

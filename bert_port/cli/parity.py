@@ -224,8 +224,9 @@ def load_reference(
         whose = f"the weights of {files.weights_file} as the port's loader reads them"
         if ours.add_pooling_layer and not donor.add_pooling_layer:
             raise CheckpointError(
-                f"the reference checkpoint {files.weights_file} has no pooler and --checkpoint has one, and "
-                "transformers cannot read it itself. Compare checkpoints that both carry pooler.dense.*"
+                f"the reference checkpoint {files.weights_file} has no pooler (pooler.dense.*) and --checkpoint has "
+                "one. Swap the two: with the pooler-less one as --checkpoint, pooler_output is left out of the "
+                "comparison"
             )
     hf_config = transformers.BertConfig(**ours.config.to_dict())
     hf_config._attn_implementation = attn
