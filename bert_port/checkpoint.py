@@ -114,20 +114,6 @@ def _map_key(key: str, table: Mapping[str, str]) -> str | None:
 # Pure conversions
 
 
-@dataclass
-class Conversion:
-    """The result of converting a checkpoint's keys: tensors under port names, plus what
-    was dropped on the way and what could not be placed."""
-
-    state_dict: dict[str, Tensor]
-    dropped: list[str] = field(default_factory=list)  # pretraining heads, reported at INFO
-    unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
-    buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
-    renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
-    sources: dict[str, str] = field(default_factory=dict)  # key in state_dict -> the key in the file
-    layout: Layout = field(default_factory=lambda: Layout())  # how the file spells names, for messages
-
-
 @dataclass(frozen=True)
 class Layout:
     """How a checkpoint file spells HF names: the wrapper prefix before the encoder's keys
@@ -146,6 +132,20 @@ class Layout:
         if self.legacy_layer_norm and hf_key.endswith(("LayerNorm.weight", "LayerNorm.bias")):
             hf_key = hf_key.rsplit(".", 1)[0] + (".gamma" if hf_key.endswith("weight") else ".beta")
         return self.prefix + hf_key
+
+
+@dataclass
+class Conversion:
+    """The result of converting a checkpoint's keys: tensors under port names, plus what
+    was dropped on the way and what could not be placed."""
+
+    state_dict: dict[str, Tensor]
+    dropped: list[str] = field(default_factory=list)  # pretraining heads, reported at INFO
+    unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
+    buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
+    renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
+    sources: dict[str, str] = field(default_factory=dict)  # key in state_dict -> the key in the file
+    layout: Layout = field(default_factory=Layout)  # how the file spells names, for messages
 
 
 def _split_prefix(key: str) -> tuple[str, str]:

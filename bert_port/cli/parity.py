@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--checkpoint accepts; the port still reads --checkpoint (default: transformers reads "
                         "--checkpoint too)")  # fmt: skip
     p.add_argument("--check-finite", choices=("error", "warn", "ignore"), default="error",
-                   help="what NaN/Inf weights do: fail with exit 2 (default), warn and compare, or compare silently")
+                   help="what NaN/Inf in the weights the port reads do: fail with exit 2 (default), warn and "
+                        "compare, or compare silently")  # fmt: skip
     p.add_argument("--tokenizer", default=None,
                    help="directory with tokenizer.json or vocab.txt (default: the checkpoint's directory)")
     p.add_argument("--texts-file", default=None,
