@@ -170,13 +170,22 @@ class BertPreTrainedModel(nn.Module):
         """
         _check_finite_mode(check_finite)
         conversion = ckpt.hf_to_port(state_dict)
-        incoming = conversion.state_dict
+        incoming, sources = conversion.state_dict, conversion.sources
         if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay
             keep = set(conversion.unmapped)
-            incoming = {
-                k if k in keep or k.startswith(ckpt.HEAD_PREFIXES) else self.port_encoder_prefix + k: v
-                for k, v in incoming.items()
-            }
+
+            def place(k: str) -> str:
+                return k if k in keep or k.startswith(ckpt.HEAD_PREFIXES) else self.port_encoder_prefix + k
+
+            incoming = {place(k): v for k, v in incoming.items()}
+            sources = {place(k): raw for k, raw in sources.items()}
+
+        def name(key: str) -> str:
+            # Errors name a tensor as the file does (or, for one it lacks, would), since that
+            # is what the user can look up; then the port's name, where it differs.
+            in_file = sources.get(key) or conversion.layout.spell(key.removeprefix(self.port_encoder_prefix))
+            return in_file if in_file == key else f"{in_file} -> {key}"
+
         expected = {k: v for k, v in self.state_dict().items()}
 
         missing = [k for k in expected if k not in incoming]
@@ -189,17 +198,19 @@ class BertPreTrainedModel(nn.Module):
 
         if missing or unexpected or mismatched:
             raise ckpt.CheckpointError(
-                self._describe_mismatch(source, incoming, expected, missing, unexpected, mismatched)
+                self._describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched)
             )
         if check_finite != "ignore":
-            bad = ckpt.non_finite(incoming)
+            bad = ckpt.non_finite({name(k): v for k, v in incoming.items()})
             if bad:
-                msg = f"{source} has non-finite weights: " + "; ".join(bad)
+                msg = f"{source} has non-finite weights: " + "; ".join(bad) + "."
                 if check_finite == "error":
-                    raise ckpt.CheckpointError(msg + ". Pass check_finite='warn' to load it anyway")
+                    raise ckpt.CheckpointError(
+                        msg, hint="Pass {} to load it anyway", argument="check_finite", value="warn"
+                    )
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         if unused:
-            log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(unused))
+            log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(map(name, unused)))
 
         device = torch.device(device) if device is not None else None
         prepared = {}
@@ -250,18 +261,22 @@ class BertPreTrainedModel(nn.Module):
             module.to(dtype or reference.dtype)
 
     @staticmethod
-    def _describe_mismatch(source, incoming, expected, missing, unexpected, mismatched) -> str:
-        lines = [f"cannot load {source}: the checkpoint does not fit the model."]
+    def _describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched) -> str:
+        lines = [
+            f"cannot load {source}: the checkpoint does not fit the model. "
+            "Tensors are named as in the file (-> the port's name, where it differs)."
+        ]
         if missing:
             lines.append(f"  missing ({len(missing)}), the model needs these and the checkpoint lacks them:")
-            lines += [f"    {k}: expected {tuple(expected[k].shape)}" for k in missing]
+            lines += [f"    {name(k)}: expected {tuple(expected[k].shape)}" for k in missing]
         if unexpected:
             lines.append(f"  unexpected ({len(unexpected)}), in the checkpoint but not in the model:")
-            lines += [f"    {k}: {tuple(incoming[k].shape)}" for k in unexpected]
+            lines += [f"    {name(k)}: {tuple(incoming[k].shape)}" for k in unexpected]
         if mismatched:
             lines.append(f"  wrong shape ({len(mismatched)}):")
             lines += [
-                f"    {k}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}" for k in mismatched
+                f"    {name(k)}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}"
+                for k in mismatched
             ]
             lines.append(
                 "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "

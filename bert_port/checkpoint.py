@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -71,7 +72,33 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be read or does not fit the model. The message says why
-    and what to do; nothing has been loaded into the model when this is raised."""
+    and what to do; nothing has been loaded into the model when this is raised.
+
+    When an argument of the loader gets past the problem, the error names it as data
+    (`argument`, `value`) and `hint` says what it does, with `{}` where the argument goes:
+    `str(error)` spells it for Python (`check_finite='warn'`), `for_command_line` with the
+    flag of a command line (`--check-finite warn`)."""
+
+    def __init__(self, message: str, *, hint: str = "", argument: str = "", value: str | None = None):
+        self.message, self.hint, self.argument, self.value = message, hint, argument, value
+        python = f"{argument}={'<path>' if value is None else repr(value)}"
+        super().__init__(self._with_hint(python))
+
+    def _with_hint(self, spelling: str | None) -> str:
+        if not self.hint or spelling is None:
+            return self.message
+        return f"{self.message} {self.hint.format(spelling)}"
+
+    def for_command_line(self, flags: Mapping[str, str]) -> str:
+        """The message with its hint naming a command-line flag: `flags` maps loader
+        arguments to the flags of the command (`{"check_finite": "--check-finite"}`). An
+        argument the command has no flag for is left out of the message."""
+        if not self.argument:
+            return str(self)
+        flag = flags.get(self.argument)
+        if flag is None:
+            return self._with_hint(None)
+        return self._with_hint(f"{flag} {'<path>' if self.value is None else self.value}")
 
 
 def _map_key(key: str, table: Mapping[str, str]) -> str | None:
@@ -87,6 +114,26 @@ def _map_key(key: str, table: Mapping[str, str]) -> str | None:
 # Pure conversions
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint file spells HF names: the wrapper prefix before the encoder's keys
+    (`bert.` in bert-base-uncased, `module.` from DDP, ...) and whether its LayerNorms use
+    the TF-era `gamma`/`beta`. Sniffed from the file's keys, to name in an error a tensor
+    the file lacks as the file would have named it."""
+
+    prefix: str = ""
+    legacy_layer_norm: bool = False
+
+    def spell(self, port_key: str) -> str:
+        """The name a port key (without a task model's `bert.`) has in a file of this layout."""
+        if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
+            return self.prefix.removesuffix("bert.") + port_key
+        hf_key = _map_key(port_key, PORT_TO_HF) or port_key
+        if self.legacy_layer_norm and hf_key.endswith(("LayerNorm.weight", "LayerNorm.bias")):
+            hf_key = hf_key.rsplit(".", 1)[0] + (".gamma" if hf_key.endswith("weight") else ".beta")
+        return self.prefix + hf_key
+
+
 @dataclass
 class Conversion:
     """The result of converting a checkpoint's keys: tensors under port names, plus what
@@ -97,18 +144,42 @@ class Conversion:
     unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
     buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
     renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
+    sources: dict[str, str] = field(default_factory=dict)  # key in state_dict -> the key in the file
+    layout: Layout = field(default_factory=Layout)  # how the file spells names, for messages
+
+
+def _split_prefix(key: str) -> tuple[str, str]:
+    """(wrapper prefixes, the rest): `module.bert.encoder...` -> (`module.bert.`, `encoder...`)."""
+    prefix, stripped = "", True
+    while stripped:
+        stripped = False
+        for wrapper in WRAPPER_PREFIXES:
+            if key.startswith(wrapper):
+                prefix, key, stripped = prefix + wrapper, key[len(wrapper) :], True
+    return prefix, key
+
+
+def detect_layout(keys: Iterable[str]) -> Layout:
+    """The layout of a file from its keys: the wrapper prefix most of its encoder keys carry,
+    and gamma/beta when most of its LayerNorm keys use them."""
+    prefixes: Counter[str] = Counter()
+    legacy = modern = 0
+    for raw in keys:
+        prefix, rest = _split_prefix(raw)
+        if _map_key(normalize_hf_key(rest), HF_TO_PORT) is not None:
+            prefixes[prefix] += 1
+        if rest.endswith(("LayerNorm.gamma", "LayerNorm.beta")):
+            legacy += 1
+        elif rest.endswith(("LayerNorm.weight", "LayerNorm.bias")):
+            modern += 1
+    return Layout(prefix=prefixes.most_common(1)[0][0] if prefixes else "", legacy_layer_norm=legacy > modern)
 
 
 def normalize_hf_key(key: str) -> str:
     """Bring one incoming key to the bare HF BertModel name (`embeddings...`,
     `encoder.layer.N...`, `pooler...`): strip wrapper prefixes, rename the legacy
     TF-era `LayerNorm.gamma/beta` to `weight/bias`."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, stripped = key[len(prefix) :], True
+    key = _split_prefix(key)[1]
     if key.endswith("LayerNorm.gamma"):
         key = key[: -len("gamma")] + "weight"
     elif key.endswith("LayerNorm.beta"):
@@ -120,7 +191,7 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
     """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
     sentence-transformers, legacy gamma/beta) to port names. Task-head keys such as
     `classifier.*` keep their names."""
-    out = Conversion(state_dict={})
+    out = Conversion(state_dict={}, layout=detect_layout(state_dict))
     for raw_key, tensor in state_dict.items():
         key = normalize_hf_key(raw_key)
         if key != raw_key:
@@ -144,6 +215,7 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
                 "it mixes layouts, so re-export it from its source"
             )
         out.state_dict[new_key] = tensor
+        out.sources[new_key] = raw_key
     if out.dropped:
         log.info("dropped %d pretraining-head tensors not used by the encoder: %s",
                  len(out.dropped), ", ".join(sorted(out.dropped)))  # fmt: skip
@@ -280,9 +352,9 @@ def locate_checkpoint(
     config = Path(config_file) if config_file is not None else directory / CONFIG_NAME
     if not config.is_file():
         raise CheckpointError(
-            f"no config for checkpoint {weights}: expected {config}. Put the model's config.json "
-            "beside the weights or pass config_file="
-        )
+            f"no config for checkpoint {weights}: expected {config}. Put the model's config.json beside the weights",
+            hint="or pass {}", argument="config_file",
+        )  # fmt: skip
     return CheckpointFiles(directory=directory, config_file=config, weights_file=weights)
 
 

@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Loader arguments this command has a flag for: a library error that suggests one of them
+# is printed naming the flag (see CheckpointError.for_command_line).
+FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +66,14 @@ def _model_class(state: dict[str, torch.Tensor]):
     return BertModel, {"add_pooling_layer": any(k.startswith("pooler.") for k in keys)}
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bytes, not values: torch.equal is False for NaN == NaN, so a checkpoint converted with
+    # --check-finite warn would never verify (and it calls -0.0 equal to 0.0).
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
 def _names(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
@@ -100,7 +111,7 @@ def convert(args: argparse.Namespace) -> int:
     saved = model.hf_state_dict()
     written = ckpt.locate_checkpoint(dst)
     reread = ckpt.read_weights(written.weights_file)
-    same = reread.keys() == saved.keys() and all(torch.equal(reread[k], saved[k].cpu()) for k in saved)
+    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
 
     renamed = info["renamed"]
     legacy = [k for k in renamed if k.endswith(("LayerNorm.gamma", "LayerNorm.beta"))]
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return convert(args)
     except (CheckpointError, ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
         return 2
 
 

@@ -3,8 +3,11 @@
 
 Compares the embedding output, every layer's hidden state, last_hidden_state and
 pooler_output on real text and on edge cases, beside transformers' own eager-vs-sdpa
-spread. Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage or a
-checkpoint that cannot be loaded.
+spread. By default both sides read the same file, which checks the forward pass and the
+key mapping but cannot see wrong weights; `--reference-checkpoint` has transformers read a
+known-good checkpoint instead, to diff a converted, fine-tuned or suspect one against it.
+Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage or a checkpoint
+that cannot be loaded (or two checkpoints of different architectures).
 """
 
 from __future__ import annotations
@@ -15,11 +18,23 @@ import copy
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bert_port import parity
+from bert_port.checkpoint import CheckpointError, CheckpointFiles
+
+# Loader arguments this command has a flag for: a library error that suggests one of them
+# is printed naming the flag (see CheckpointError.for_command_line).
+FLAGS = {"check_finite": "--check-finite"}
+# Config fields that decide the tensors' shapes or the forward pass: two checkpoints compared
+# with --reference-checkpoint must agree on every one of them.
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+    "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "position_embedding_type", "is_decoder",
+)  # fmt: skip
 
 
 def _dtypes(text: str) -> list[torch.dtype]:
@@ -54,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint directory, weights file (config.json beside it) or model id in the local HF "
                         "cache (default: the bundled all-MiniLM-L6-v2)")  # fmt: skip
+    p.add_argument("--reference-checkpoint", default=None, metavar="PATH",
+                   help="a known-good checkpoint of the same architecture for transformers to read, in any form "
+                        "--checkpoint accepts; the port still reads --checkpoint (default: transformers reads "
+                        "--checkpoint too)")  # fmt: skip
+    p.add_argument("--check-finite", choices=("error", "warn", "ignore"), default="error",
+                   help="what NaN/Inf in the weights the port reads do: fail with exit 2 (default), warn and "
+                        "compare, or compare silently")  # fmt: skip
     p.add_argument("--tokenizer", default=None,
                    help="directory with tokenizer.json or vocab.txt (default: the checkpoint's directory)")
     p.add_argument("--texts-file", default=None,
@@ -87,6 +109,34 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _message(exc: Exception) -> str:
+    return exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else str(exc)
+
+
+@dataclass
+class Source:
+    """A checkpoint as the command line names it (path or model id), resolved to files."""
+
+    name: str
+    files: CheckpointFiles
+    check_finite: str = "error"
+
+    def describe(self) -> str:
+        files, path = self.files, Path(self.name)
+        if path.is_dir():
+            return f"{self.name} ({files.weights_file.relative_to(files.directory)})"
+        return str(files.weights_file) if path.exists() else f"{self.name} ({files.weights_file})"
+
+
+def architecture_differences(ours, theirs) -> list[str]:
+    """`field: a vs b` for each ARCHITECTURE_FIELDS entry on which two BertConfigs differ."""
+    return [
+        f"{name} {getattr(ours, name)!r} vs {getattr(theirs, name)!r}"
+        for name in ARCHITECTURE_FIELDS
+        if getattr(ours, name) != getattr(theirs, name)
+    ]
+
+
 @contextlib.contextmanager
 def _quiet(transformers):
     """transformers' load report and weight-loading bar would bury the parity report."""
@@ -102,22 +152,24 @@ def _quiet(transformers):
             utils.enable_progress_bar()
 
 
-def load_port(path: str, attn: str):
+def load_port(source: Source, attn: str):
     """Our model in float32 on the CPU, and a note when it was loaded without its pooler."""
-    from bert_port import BertModel, CheckpointError
+    from bert_port import BertModel
 
+    files = source.files
+    kwargs = dict(
+        config_file=files.config_file, dtype=torch.float32, attn_implementation=attn, check_finite=source.check_finite
+    )
     try:
-        return BertModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn), None
+        return BertModel.from_pretrained(files.weights_file, **kwargs), None
     except CheckpointError as exc:
         if "pooler_dense" not in str(exc):
             raise
         try:  # e.g. a checkpoint saved from BertForMaskedLM, which has no pooler
-            model = BertModel.from_pretrained(
-                path, dtype=torch.float32, attn_implementation=attn, add_pooling_layer=False
-            )
+            model = BertModel.from_pretrained(files.weights_file, add_pooling_layer=False, **kwargs)
         except CheckpointError:
             raise exc from None
-        return model, "the checkpoint's pooler does not load, so pooler_output is not compared: " + str(exc)
+        return model, "the checkpoint's pooler does not load, so pooler_output is not compared: " + _message(exc)
 
 
 def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
@@ -141,12 +193,16 @@ def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
     return view
 
 
-def load_reference(transformers, ours, files, attn: str) -> tuple[torch.nn.Module, str]:
-    """transformers.BertModel holding the checkpoint's weights, and how it got them.
+def load_reference(
+    transformers, ours, source: Source, attn: str, same_as_ours: bool = True
+) -> tuple[torch.nn.Module, str]:
+    """transformers.BertModel holding the weights of `source` (the checkpoint `ours` was
+    loaded from, or with `same_as_ours=False` a reference checkpoint), and how it got them.
 
     Preferably transformers reads the checkpoint file itself, so that our key mapping is
     checked too. When it cannot (a layout it does not know, such as DDP `module.` keys), it
-    is built from our config and given our weights under HF names, strictly."""
+    is built from our config and given the weights as the port's loader reads them, strictly."""
+    files = source.files
     kwargs = dict(dtype=torch.float32, attn_implementation=attn, add_pooling_layer=ours.add_pooling_layer)
     why = "transformers cannot read this file layout"
     with contextlib.ExitStack() as stack:
@@ -162,12 +218,23 @@ def load_reference(transformers, ours, files, attn: str) -> tuple[torch.nn.Modul
                 why = f"transformers' own loader leaves {len(bad)} tensor(s) unloaded ({', '.join(bad[:4])})"
         except Exception as exc:  # any failure of transformers' loader: fall back, and say so in the report
             why = f"transformers cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if same_as_ours:
+        donor, whose = ours, "the port's weights"
+    else:
+        donor, _ = load_port(source, attn)
+        whose = f"the weights of {files.weights_file} as the port's loader reads them"
+        if ours.add_pooling_layer and not donor.add_pooling_layer:
+            raise CheckpointError(
+                f"the reference checkpoint {files.weights_file} has no pooler (pooler.dense.*) and --checkpoint has "
+                "one. Swap the two: with the pooler-less one as --checkpoint, pooler_output is left out of the "
+                "comparison"
+            )
     hf_config = transformers.BertConfig(**ours.config.to_dict())
     hf_config._attn_implementation = attn
     ref = transformers.BertModel(hf_config, add_pooling_layer=ours.add_pooling_layer)
-    ref.load_state_dict(ours.hf_state_dict(), strict=True)
+    ref.load_state_dict(donor.hf_state_dict(), strict=True)
     return ref.eval(), (
-        f"transformers.BertModel(config) given the port's weights via hf_state_dict() (strict), because {why}; "
+        f"transformers.BertModel(config) given {whose} via hf_state_dict() (strict), because {why}; "
         "this checks the forward pass but not the key mapping"
     )
 
@@ -181,17 +248,32 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from bert_port import CheckpointError, ConfigError, load_tokenizer
+    from bert_port import BertConfig, ConfigError, load_tokenizer
     from bert_port.assets import minilm_dir
     from bert_port.checkpoint import locate_checkpoint
 
     path = args.checkpoint or str(minilm_dir())
     try:
-        files = locate_checkpoint(path)
-        ours, note = load_port(path, args.attn)
+        source = Source(path, locate_checkpoint(path), args.check_finite)
+        ours, note = load_port(source, args.attn)
     except (CheckpointError, ConfigError) as exc:
-        return _fail(f"cannot load checkpoint {path}:\n{exc}")
+        return _fail(f"cannot load checkpoint {path}:\n{_message(exc)}")
     config = ours.config
+    reference_source = source
+    if args.reference_checkpoint:
+        try:
+            reference_source = Source(args.reference_checkpoint, locate_checkpoint(args.reference_checkpoint),
+                                      args.check_finite)  # fmt: skip
+            differ = architecture_differences(config, BertConfig.from_json_file(reference_source.files.config_file))
+        except (CheckpointError, ConfigError) as exc:
+            return _fail(f"cannot load reference checkpoint {args.reference_checkpoint}:\n{_message(exc)}")
+        if differ:
+            return _fail(
+                f"--checkpoint {source.describe()} and --reference-checkpoint {reference_source.describe()} describe "
+                f"different architectures, so their outputs cannot be compared: {'; '.join(differ)} (from "
+                f"{source.files.config_file} and {reference_source.files.config_file}). Pass a reference checkpoint "
+                "of the same model"
+            )
 
     max_length = args.max_length or config.max_position_embeddings
     if not 4 <= max_length <= config.max_position_embeddings:
@@ -205,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.texts_file:
             examples = parity.read_texts_file(args.texts_file)
-            source = f"{args.texts_file}"
+            texts_from = f"{args.texts_file}"
         else:
             examples = [(t, None) for t in parity.DEFAULT_TEXTS] + list(parity.DEFAULT_PAIRS)
-            source = "built-in real sentences"
+            texts_from = "built-in real sentences"
         batches = parity.build_batches(
             tokenizer, examples, batch_size=args.batch_size, max_length=max_length, adversarial=not args.no_adversarial
         )
@@ -222,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{what}={limit}: pass --tokenizer with the checkpoint's own tokenizer")  # fmt: skip
 
     with _quiet(transformers):
-        reference, how = load_reference(transformers, ours, files, args.attn)
+        try:
+            reference, how = load_reference(transformers, ours, reference_source, args.attn,
+                                            same_as_ours=reference_source is source)  # fmt: skip
+        except (CheckpointError, ConfigError) as exc:
+            return _fail(f"cannot load reference checkpoint {reference_source.name}:\n{_message(exc)}")
         other = "eager" if args.attn == "sdpa" else "sdpa"
         spread_reference = copy.deepcopy(reference)
         spread_reference.set_attn_implementation(other)
@@ -235,14 +321,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
+    if reference_source is source:
+        sides = {"checkpoint": f"{source.describe()}, read by both the port and transformers"}
+    else:
+        sides = {"checkpoint": f"{source.describe()}, read by the port",
+                 "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)",
+                 "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
+                             "transformers': a FAIL means they differ beyond tolerance (without "
+                             "--reference-checkpoint, the port alone is checked)"}
     meta = {
-        "checkpoint": f"{path} ({files.weights_file.relative_to(files.directory)})" if Path(path).is_dir()
-                      else str(files.weights_file) if Path(path).exists() else f"{path} ({files.weights_file})",
+        **sides,
         "model": (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                   f"{config.num_attention_heads} heads, vocab {config.vocab_size}"),  # fmt: skip
         "reference": f"transformers {transformers.__version__}: {how}",
         "attention": f"{args.attn} on both sides; spread = transformers {other} vs transformers {args.attn}",
-        "inputs": (f"{len(examples)} examples from {source} ({pairs} pairs), max length {max_length}"
+        "inputs": (f"{len(examples)} examples from {texts_from} ({pairs} pairs), max length {max_length}"
                    + ("" if args.no_adversarial else ", plus the edge cases")
                    + f"; {len(batches)} batches, {sum(b.rows for b in batches)} rows, "
                    f"{sum(b.real_tokens for b in batches)} real and {sum(b.pad_tokens for b in batches)} pad tokens"),
