@@ -1,7 +1,7 @@
 """bert_port: a from-scratch PyTorch BERT that loads and saves Hugging Face checkpoints."""
 
-from .bert import BertLayer, BertModel, BertSelfAttention
 from .base_bert import BertPreTrainedModel
+from .bert import BertLayer, BertModel, BertSelfAttention
 from .checkpoint import CheckpointError
 from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError

@@ -77,4 +77,6 @@ def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= upper:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} contains {bad}, outside [0, {upper}) of {what}; check the tokenizer matches the model")
+        raise ValueError(
+            f"{name} contains {bad}, outside [0, {upper}) of {what}; check the tokenizer matches the model"
+        )

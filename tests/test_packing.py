@@ -58,8 +58,8 @@ def test_pack_refuses_a_3d_mask():
 
 
 def test_packing_for_chooses_the_unpadded_path_only_where_it_computes_the_same():
-    model = BertModel(BertConfig.from_dict(dict(vocab_size=99, hidden_size=8, num_hidden_layers=1,
-                                                num_attention_heads=2, intermediate_size=8)))  # fmt: skip
+    config = {"vocab_size": 99, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = BertModel(BertConfig.from_dict({**config, "intermediate_size": 8}))
     right = torch.tensor([[1, 1, 0], [1, 1, 1]])
     assert isinstance(model.packing_for(right), Packing)
     assert model.packing_for(torch.tensor([[0, 1, 1], [1, 1, 1]])) is None  # the pooler reads position 0
