@@ -96,8 +96,8 @@ class BertSelfAttention(nn.Module):
         """Padded (B, T, H) -> context (B, T, H), and the probabilities (B, nh, T, T) when
         asked for; or, with `packing`, packed real-token rows (N, H) -> (N, H).
 
-        `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive,
-        and for packed rows describes their padded (B, T) layout. SDPA does not expose
+        `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive;
+        packed rows take theirs from the packing instead. SDPA does not expose
         probabilities, so `output_attentions` runs the eager path even when SDPA is
         configured (transformers' SDPA path instead warns and returns no attentions)."""
         implementation = self.config.attn_implementation
@@ -111,7 +111,7 @@ class BertSelfAttention(nn.Module):
             B, T = packing.batch_size, packing.seq_len
             qkv = pad(qkv, packing).view(B, T, 3, self.num_attention_heads, self.attention_head_size)
             query_layer, key_layer, value_layer = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (B, nh, T, hs)
-            context = sdpa_attention(query_layer, key_layer, value_layer, attention_mask, self.scaling, dropout_p)
+            context = sdpa_attention(query_layer, key_layer, value_layer, packing.key_mask, self.scaling, dropout_p)
             return unpad(context, packing), None  # (N, H)
 
         # Query, key, value in transformers' order: the forward does not care, but autograd
@@ -174,8 +174,8 @@ class BertLayer(nn.Module):
         mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
-        if attention_mask is None or attention_mask.dim() < 4:
-            attention_mask = self.prepare_mask(attention_mask, hidden_states, output_attentions, packing)
+        if packing is None and (attention_mask is None or attention_mask.dim() < 4):
+            attention_mask = self.prepare_mask(attention_mask, hidden_states, output_attentions)
         attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
@@ -185,17 +185,13 @@ class BertLayer(nn.Module):
         return (layer_output, probs) if output_attentions else layer_output
 
     def prepare_mask(
-        self,
-        attention_mask: Tensor | None,
-        hidden_states: Tensor,
-        output_attentions: bool = False,
-        packing: Packing | None = None,
+        self, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
     ) -> Tensor | None:
         """The 4-D mask for this block's attention (boolean for SDPA, additive for eager)."""
         return get_extended_attention_mask(
             attention_mask,
             hidden_states.dtype,
-            seq_len=hidden_states.shape[1] if packing is None else packing.seq_len,
+            seq_len=hidden_states.shape[1],
             causal=self.config.is_decoder,
             as_bool=self.config.attn_implementation != "eager" and not output_attentions,
             device=hidden_states.device,
@@ -264,15 +260,17 @@ class BertModel(BertPreTrainedModel):
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden_states.device)
         packing = self.packing_for(attention_mask, output_attentions)  # None: the padded path
-        extended_mask = get_extended_attention_mask(
-            attention_mask,
-            hidden_states.dtype,
-            seq_len=hidden_states.shape[1],
-            causal=self.config.is_decoder,
-            as_bool=self.config.attn_implementation != "eager" and not output_attentions,
-        )
         if packing is not None:
             hidden_states = unpad(hidden_states, packing)  # (N, H)
+            extended_mask = None  # the layers mask packed rows with `packing.key_mask`
+        else:
+            extended_mask = get_extended_attention_mask(
+                attention_mask,
+                hidden_states.dtype,
+                seq_len=hidden_states.shape[1],
+                causal=self.config.is_decoder,
+                as_bool=self.config.attn_implementation != "eager" and not output_attentions,
+            )
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
         for layer in self.bert_layers:

@@ -118,7 +118,7 @@ def test_tiny_unpadded_matches_padded_and_transformers(tiny_config, attn, holes)
 
 
 def test_packed_layer_on_its_own_matches_the_padded_layer(tiny_config):
-    """`BertLayer` takes packed rows directly: (N, H) with the packing and the (B, T) mask."""
+    """`BertLayer` takes packed rows directly: (N, H) with their packing, which masks them."""
     layer = BertLayer(BertConfig.from_dict(tiny_config)).eval()
     mask = random_batch(tiny_config["vocab_size"])["attention_mask"]
     x = torch.randn(*mask.shape, tiny_config["hidden_size"])
@@ -126,7 +126,7 @@ def test_packed_layer_on_its_own_matches_the_padded_layer(tiny_config):
     real = mask.bool()
     with torch.no_grad():
         padded = layer(x, mask)
-        packed = layer(unpad(x, packing), mask, packing=packing)
+        packed = layer(unpad(x, packing), packing=packing)
     assert packed.shape == (packing.num_tokens, tiny_config["hidden_size"])
     torch.testing.assert_close(packed, padded[real], **TOL[torch.float32])
 
