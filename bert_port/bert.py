@@ -78,9 +78,9 @@ class BertSelfAttention(nn.Module):
         """Query, key and value stacked in that order: weight (3H, H) and bias (3H,).
 
         Concatenated afresh on every call (a 3H x H copy, small next to the matmul it feeds):
-        gradients flow back to the three `nn.Linear`s and no cache can go stale. A cache keyed
-        on the autograd version counter did go stale, because fused optimisers
-        (`AdamW(fused=True)`) update parameters in place without bumping it.
+        gradients flow back to the three `nn.Linear`s, and there is no cache to go stale
+        (fused optimisers such as `AdamW(fused=True)` update parameters in place without
+        bumping the version counters a cache would be keyed on).
         """
         weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
@@ -254,8 +254,8 @@ class BertModel(BertPreTrainedModel):
         """Run every layer: (B, T, H) -> (B, T, H). Also returns, when asked for, all hidden
         states (embeddings first) and all attention probabilities.
 
-        When `packing_for` allows it (SDPA, a 2-D mask with padding), the layers run on the
-        N real tokens only, and padding positions of every output come out as zeros.
+        When `packing_for` allows it (SDPA or varlen attention, a 2-D mask with padding), the
+        layers run on the N real tokens only, and padding positions of every output are zeros.
         """
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden_states.device)
@@ -274,8 +274,8 @@ class BertModel(BertPreTrainedModel):
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
         for layer in self.bert_layers:
-            if output_attentions:
-                hidden_states, probs = layer(hidden_states, extended_mask, True, packing)
+            if output_attentions:  # never packed: only eager attention gives probabilities
+                hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True)
                 all_attn.append(probs)
             else:
                 hidden_states = layer(hidden_states, extended_mask, packing=packing)

@@ -27,8 +27,8 @@ class Packing:
     host. The real tokens of a row stay consecutive in the packed order even when the mask
     has holes, and their positions were already added by the embeddings. `key_mask`
     (B, 1, 1, T) is True at real tokens: the boolean SDPA mask of the padded layout. It stays
-    unexpanded: SDPA turns a boolean mask into a float one of the mask's own shape, and a
-    (B, 1, T, T) one made the attention about 1.5x slower on the CPU.
+    unexpanded: SDPA turns a boolean mask into a float one of the mask's own shape, and
+    the CPU kernel is markedly slower with a (B, 1, T, T) one.
     """
 
     indices: Tensor | None
