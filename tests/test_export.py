@@ -116,3 +116,15 @@ def test_onnx_export_of_the_real_checkpoint(minilm_path, tmp_path):
     got = _onnx_round_trip(model, traced, new, 512, tmp_path / "minilm.onnx")
     diff = _check(got, model, new, exact_atol=None)
     print(f"all-MiniLM-L6-v2 onnxruntime vs eager default, real tokens: max abs {diff:.2e}")
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_whole_model_has_no_graph_break(tiny_config):
+    """`fullgraph=True` fails on any graph break, such as a host sync in the forward."""
+    pytest.importorskip("torch._inductor")
+    model = BertModel(BertConfig.from_dict(tiny_config)).eval()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for T in (9, 14):
+            batch = random_batch(tiny_config["vocab_size"], T=T)
+            _check(compiled(**batch), model, batch, exact_atol=None)
