@@ -1,10 +1,12 @@
 """bert_port: a from-scratch PyTorch BERT that loads and saves Hugging Face checkpoints."""
 
-from .bert import BertLayer, BertModel, BertSelfAttention, ModelOutput
 from .base_bert import BertPreTrainedModel
+from .bert import BertLayer, BertModel, BertSelfAttention
 from .checkpoint import CheckpointError
 from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
+from .outputs import ModelOutput
+from .packing import Packing
 from .tokenization import encode, load_tokenizer
 from .utils import get_extended_attention_mask
 
@@ -18,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ModelOutput",
+    "Packing",
     "encode",
     "get_extended_attention_mask",
     "load_tokenizer",

@@ -2,44 +2,31 @@
 
 `BertSelfAttention` (`transform`, `attention`, `forward`), `BertLayer` (`add_norm`,
 `forward`) and `BertModel` (`embed`, `encode`, `forward`) keep that file's structure and
-parameter names; the numerics follow `transformers.BertModel` operation for operation, so
-the eager path gives the same bits as transformers' eager path on the CPU.
+parameter names. On a padded batch the numerics follow `transformers.BertModel` operation
+for operation; with `attn_implementation="eager"` (which never unpads) that is transformers'
+eager path itself.
 
-Shapes: B batch, T time (tokens), H hidden size, nh heads, hs head size (H = nh * hs).
+The one speed trick that changes the layout: `BertModel.encode` may pack a padded batch
+into its N real tokens (`packing.py`) and run the same layers on those (N, H) rows. Only
+attention needs the sequences, and `BertSelfAttention.forward` takes them from the packing.
+
+Shapes: B batch, T time (tokens), N real tokens, H hidden size, nh heads, hs head size
+(H = nh * hs).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import fast
+from .attention import sdpa_attention, varlen_attention, varlen_supported
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
+from .outputs import ModelOutput
+from .packing import Packing, pack, pad, unpad
 from .utils import additive_mask, get_activation, get_extended_attention_mask
-
-
-class ModelOutput(dict):
-    """A dict whose keys are also attributes: `out["pooler_output"]` or `out.pooler_output`.
-    An integer or slice indexes the values that are not None, in order, as transformers'
-    `ModelOutput` does, so `model(ids)[0]` is the last hidden state."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, (int, slice)):
-            return self.to_tuple()[key]
-        return super().__getitem__(key)
-
-    def to_tuple(self) -> tuple[Any, ...]:
-        return tuple(v for v in self.values() if v is not None)
+from .validation import check_inputs
 
 
 class BertSelfAttention(nn.Module):
@@ -55,7 +42,9 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.attn_implementation = config.attn_implementation
+        # Read at every call, as transformers does: `config.attn_implementation` is the one
+        # attention switch, "eager" (`attention` below), "sdpa" or "varlen" (attention.py).
+        self.config = config
 
     def transform(self, x: Tensor, linear_layer: nn.Linear) -> Tensor:
         """Project `x` (B, T, H) and split the heads: (B, nh, T, hs)."""
@@ -85,37 +74,58 @@ class BertSelfAttention(nn.Module):
         context = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
         return context.reshape(*context.shape[:2], -1).contiguous(), probs
 
-    def sdpa(self, key: Tensor, query: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """The same function through `F.scaled_dot_product_attention`. `attention_mask` is
-        boolean (True = attend) or additive; None with a causal model means plain causal."""
-        is_causal = self.is_causal and attention_mask is None and query.shape[2] > 1
-        context = F.scaled_dot_product_attention(
-            query, key, value,
-            attn_mask=attention_mask,
-            dropout_p=self.dropout.p if self.training else 0.0,
-            scale=self.scaling,
-            is_causal=is_causal,
-        )  # fmt: skip
-        context = context.transpose(1, 2).contiguous()  # (B, T, nh, hs)
-        return context.reshape(*context.shape[:2], -1).contiguous()
+    def fused_qkv(self) -> tuple[Tensor, Tensor]:
+        """Query, key and value stacked in that order: weight (3H, H) and bias (3H,).
+
+        Concatenated afresh on every call (a 3H x H copy, small next to the matmul it feeds):
+        gradients flow back to the three `nn.Linear`s, and there is no cache to go stale
+        (fused optimisers such as `AdamW(fused=True)` update parameters in place without
+        bumping the version counters a cache would be keyed on).
+        """
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        return weight, bias
 
     def forward(
-        self, hidden_states: Tensor, attention_mask: Tensor | None = None, output_attentions: bool = False
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        output_attentions: bool = False,
+        packing: Packing | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """(B, T, H) -> context (B, T, H), and the attention probabilities when asked for.
+        """Padded (B, T, H) -> context (B, T, H), and the probabilities (B, nh, T, T) when
+        asked for; or, with `packing`, packed real-token rows (N, H) -> (N, H).
 
-        `attention_mask` is prepared (see `get_extended_attention_mask`): boolean or additive.
-        SDPA does not expose probabilities, so `output_attentions` runs the eager path even
-        when SDPA is configured (transformers' SDPA path instead warns and returns no
-        attentions); the outputs then equal transformers' eager outputs."""
+        `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive;
+        packed rows take theirs from the packing instead. SDPA does not expose
+        probabilities, so `output_attentions` runs the eager path even when SDPA is
+        configured (transformers' SDPA path instead warns and returns no attentions)."""
+        implementation = self.config.attn_implementation
+        dropout_p = self.dropout.p if self.training else 0.0
+        if packing is not None:
+            # Real tokens only: query, key and value in one matmul on N rows instead of three on B*T.
+            qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
+            if implementation == "varlen" and varlen_supported(qkv, dropout_p):
+                return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
+            # Otherwise transformers' SDPA kernel, on the padded layout (pad rows are zeros).
+            B, T = packing.batch_size, packing.seq_len
+            qkv = pad(qkv, packing).view(B, T, 3, self.num_attention_heads, self.attention_head_size)
+            query_layer, key_layer, value_layer = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (B, nh, T, hs)
+            context = sdpa_attention(query_layer, key_layer, value_layer, packing.key_mask, self.scaling, dropout_p)
+            return unpad(context, packing), None  # (N, H)
+
         # Query, key, value in transformers' order: the forward does not care, but autograd
         # sums the three gradients into `hidden_states` in reverse order of creation, and this
         # order gives transformers' gradient bits (key-value-query differs by ~1e-5).
-        query_layer = self.transform(hidden_states, self.query)
+        query_layer = self.transform(hidden_states, self.query)  # (B, nh, T, hs)
         key_layer = self.transform(hidden_states, self.key)
         value_layer = self.transform(hidden_states, self.value)
-        if self.attn_implementation == "sdpa" and not output_attentions:
-            return self.sdpa(key_layer, query_layer, value_layer, attention_mask), None
+        if implementation != "eager" and not output_attentions:
+            is_causal = self.is_causal and attention_mask is None and query_layer.shape[2] > 1
+            context = sdpa_attention(
+                query_layer, key_layer, value_layer, attention_mask, self.scaling, dropout_p, is_causal
+            )
+            return context, None
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             attention_mask = additive_mask(attention_mask, query_layer.dtype)
         context, probs = self.attention(key_layer, query_layer, value_layer, attention_mask)
@@ -124,7 +134,8 @@ class BertSelfAttention(nn.Module):
 
 class BertLayer(nn.Module):
     """One transformer block. Runs on its own on (B, T, H) floats with an optional 2-D
-    padding mask, or inside `BertModel` with the prepared 4-D mask."""
+    padding mask, or inside `BertModel` with the prepared 4-D mask and, when the batch is
+    packed, its `Packing`."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -150,17 +161,22 @@ class BertLayer(nn.Module):
         return ln_layer(dropout(dense_layer(output)) + input)
 
     def forward(
-        self, hidden_states: Tensor, attention_mask: Tensor | None = None, output_attentions: bool = False
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        output_attentions: bool = False,
+        packing: Packing | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """(B, T, H) -> (B, T, H); with `output_attentions`, also the (B, nh, T, T) probabilities.
+        """(B, T, H) -> (B, T, H), or with `packing` real-token rows (N, H) -> (N, H); with
+        `output_attentions` (padded only), also the (B, nh, T, T) probabilities.
 
         `attention_mask`: None, a 2-D (B, T) 0/1 padding mask, a 3-D (B, T, T) per-query
         mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
-        if attention_mask is None or attention_mask.dim() < 4:
+        if packing is None and (attention_mask is None or attention_mask.dim() < 4):
             attention_mask = self.prepare_mask(attention_mask, hidden_states, output_attentions)
-        attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions)
+        attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
         )
@@ -171,13 +187,13 @@ class BertLayer(nn.Module):
     def prepare_mask(
         self, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
     ) -> Tensor | None:
-        """The 4-D mask for this block's attention path (boolean for SDPA, additive for eager)."""
+        """The 4-D mask for this block's attention (boolean for SDPA, additive for eager)."""
         return get_extended_attention_mask(
             attention_mask,
             hidden_states.dtype,
             seq_len=hidden_states.shape[1],
             causal=self.config.is_decoder,
-            as_bool=self.config.attn_implementation == "sdpa" and not output_attentions,
+            as_bool=self.config.attn_implementation != "eager" and not output_attentions,
             device=hidden_states.device,
         )
 
@@ -235,59 +251,64 @@ class BertModel(BertPreTrainedModel):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
-        """Run every layer. Returns the last hidden state and, when asked for, all hidden
+        """Run every layer: (B, T, H) -> (B, T, H). Also returns, when asked for, all hidden
         states (embeddings first) and all attention probabilities.
 
-        With SDPA and a 2-D padding mask (the usual tokenizer batch), the layers run on the
-        real tokens only (`fast.encode_unpadded`): dense layers, FFN and LayerNorms on N real
-        rows instead of B*T, Q/K/V in one fused matmul. Real-token outputs equal the padded
-        path's within fp32 rounding (kernel blocking); padding positions come out as zeros.
-        The eager path, decoders, 3-D/4-D masks, `output_attentions`, left-padded batches
-        (whose pooler reads a pad position) and `config.unpad_inputs=False` keep the padded
-        path, which mirrors transformers operation for operation.
+        When `packing_for` allows it (SDPA or varlen attention, a 2-D mask with padding), the
+        layers run on the N real tokens only, and padding positions of every output are zeros.
         """
-        if self._use_unpadded(attention_mask, output_attentions):
-            last, all_hidden = fast.encode_unpadded(
-                self.bert_layers,
-                hidden_states,
-                attention_mask.to(hidden_states.device),  # as the padded path does
-                attention=fast.default_attention_kind(hidden_states.device, _compute_dtype(hidden_states), self.training),
-                output_hidden_states=output_hidden_states,
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(hidden_states.device)
+        packing = self.packing_for(attention_mask, output_attentions)  # None: the padded path
+        if packing is not None:
+            hidden_states = unpad(hidden_states, packing)  # (N, H)
+            extended_mask = None  # the layers mask packed rows with `packing.key_mask`
+        else:
+            extended_mask = get_extended_attention_mask(
+                attention_mask,
+                hidden_states.dtype,
+                seq_len=hidden_states.shape[1],
+                causal=self.config.is_decoder,
+                as_bool=self.config.attn_implementation != "eager" and not output_attentions,
             )
-            return last, all_hidden, None
-        use_bool = self.config.attn_implementation == "sdpa" and not output_attentions
-        extended_mask = get_extended_attention_mask(
-            attention_mask,
-            hidden_states.dtype,
-            seq_len=hidden_states.shape[1],
-            causal=self.config.is_decoder,
-            as_bool=use_bool,
-            device=hidden_states.device,
-        )
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
-        for layer_module in self.bert_layers:
-            if output_attentions:
-                hidden_states, probs = layer_module(hidden_states, extended_mask, output_attentions=True)
+        for layer in self.bert_layers:
+            if output_attentions:  # never packed: only eager attention gives probabilities
+                hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True)
                 all_attn.append(probs)
             else:
-                hidden_states = layer_module(hidden_states, extended_mask)
+                hidden_states = layer(hidden_states, extended_mask, packing=packing)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
+        if packing is not None:
+            hidden_states = pad(hidden_states, packing)  # (B, T, H)
+            all_hidden = [pad(h, packing) for h in all_hidden] if output_hidden_states else None
         return (
             hidden_states,
             tuple(all_hidden) if output_hidden_states else None,
             tuple(all_attn) if output_attentions else None,
         )
 
-    def _use_unpadded(self, attention_mask: Tensor | None, output_attentions: bool) -> bool:
+    def packing_for(self, attention_mask: Tensor | None, output_attentions: bool = False) -> Packing | None:
+        """The packing of the real tokens when this batch can run unpadded, else None.
+
+        Unpadded execution needs `config.unpad_inputs`, SDPA or varlen (eager is transformers'
+        maths on the padded batch), an encoder (no causal mask), no attention probabilities,
+        and a 2-D padding mask with some padding (without, there is nothing to skip). A
+        left-padded batch keeps the padded path, because the pooler reads position 0 even
+        where it is padding. Tracing (`torch.export`, `torch.compile`) keeps it too: packing
+        needs the sequence lengths on the host.
+        """
         cfg = self.config
-        if not cfg.unpad_inputs or cfg.attn_implementation != "sdpa" or attention_mask is None:
-            return False
-        if not fast.can_use_fast_path(attention_mask, is_decoder=cfg.is_decoder, output_attentions=output_attentions):
-            return False
-        # Without padding there is nothing to skip, and the padded path is transformers' bit for bit.
-        return not bool(attention_mask.bool().all())
+        if not cfg.unpad_inputs or cfg.attn_implementation == "eager" or cfg.is_decoder or output_attentions:
+            return None
+        if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+            return None
+        if not bool(attention_mask[:, 0].bool().all()):
+            return None
+        packing = pack(attention_mask)
+        return packing if packing.indices is not None else None
 
     def forward(
         self,
@@ -304,7 +325,7 @@ class BertModel(BertPreTrainedModel):
         `attention_mask`: (B, T) 1/0 (int, float or bool), (B, T, T), or a prepared 4-D
         mask. `token_type_ids` default to zeros, `position_ids` to 0..T-1.
         """
-        self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         embedding_output = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
         sequence_output, hidden_states, attentions = self.encode(
             embedding_output, attention_mask, output_hidden_states, output_attentions
@@ -318,74 +339,3 @@ class BertModel(BertPreTrainedModel):
             hidden_states=hidden_states,
             attentions=attentions,
         )
-
-    def check_inputs(
-        self,
-        input_ids: Tensor | None,
-        attention_mask: Tensor | None,
-        token_type_ids: Tensor | None,
-        position_ids: Tensor | None,
-        inputs_embeds: Tensor | None,
-    ) -> None:
-        """Reject malformed input with a clear `ValueError` before any kernel runs, so bad
-        ids never become a CUDA device-side assert or silent garbage."""
-        cfg = self.config
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-            if input_ids.is_floating_point():
-                raise ValueError("input_ids must be integer token ids, got a floating tensor")
-            shape = tuple(input_ids.shape)
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {cfg.hidden_size}), got {tuple(inputs_embeds.shape)}"
-                )
-            shape = tuple(inputs_embeds.shape[:2])
-        B, T = shape
-        if B == 0 or T == 0:
-            raise ValueError(f"empty input of shape {shape}: need at least one sequence of at least one token")
-        if input_ids is not None:
-            _check_range("input_ids", input_ids, cfg.vocab_size, "the vocabulary (vocab_size)")
-        if position_ids is None and T > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {T} exceeds max_position_embeddings={cfg.max_position_embeddings}; "
-                f"truncate the input (e.g. tokenizer truncation to {cfg.max_position_embeddings})"
-            )
-        if position_ids is not None:
-            if position_ids.dim() != 2 or position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
-                raise ValueError(f"position_ids must be (batch or 1, {T}), got {tuple(position_ids.shape)}")
-            _check_range("position_ids", position_ids, cfg.max_position_embeddings, "max_position_embeddings")
-        if token_type_ids is not None:
-            if tuple(token_type_ids.shape) != shape:
-                raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {shape}")
-            _check_range("token_type_ids", token_type_ids, cfg.type_vocab_size, "type_vocab_size")
-        if attention_mask is not None:
-            ok = {2: (B, T), 3: (B, T, T)}.get(attention_mask.dim())
-            if attention_mask.dim() == 4:
-                ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
-                if not ok_4d:
-                    raise ValueError(f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got "
-                                     f"{tuple(attention_mask.shape)}")  # fmt: skip
-            elif tuple(attention_mask.shape) != ok:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
-                    f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
-                )
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype matmuls run in: autocast's when it is on for x's device, else x's own."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be integer ids (torch.long), got {ids.dtype}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= upper:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} contains {bad}, outside [0, {upper}) of {what}; check the tokenizer matches the model")

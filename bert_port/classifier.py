@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base_bert import BertPreTrainedModel
-from .bert import BertModel, ModelOutput
+from .bert import BertModel
 from .config import BertConfig
+from .outputs import ModelOutput
 
 IGNORE_INDEX = -100  # cross_entropy's default: a label to leave out of the loss
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")

@@ -22,7 +22,7 @@ SUPPORTED_ACTIVATIONS = (
     "swish", "tanh", "sigmoid", "mish", "linear", "hardswish", "laplace", "sqrtsoftplus",
 )  # fmt: skip
 
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "varlen")
 
 # Fields every BERT config.json must carry; the rest fall back to HF's defaults.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -55,10 +55,13 @@ class BertConfig:
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
     problem_type: str | None = None  # "single_label_classification" | "regression" | ...
-    # Runtime choice, not part of the checkpoint: never written to config.json.
+    # Runtime choices, not part of the checkpoint: never written to config.json.
+    # Attention: "eager" (transformers' eager maths, and the only one returning probabilities),
+    # "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on the packed real
+    # tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
     attn_implementation: str = "sdpa"
-    # Runtime choice: run the encoder's dense layers on real tokens only when the batch has a
-    # 2-D padding mask (see fast.py). Within the fp32 parity bar, not bitwise; never written.
+    # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
+    # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
     unpad_inputs: bool = True
     # Every config.json field this dataclass does not model, kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -96,8 +96,11 @@ def get_extended_attention_mask(
         keep = None
     elif attention_mask.dim() == 2:
         keep = attention_mask.bool()
-        if (not causal or as_bool) and bool(keep.all()):
-            return None  # no padding: transformers skips the mask too (but always builds its eager causal one)
+        # No padding: transformers skips the mask too (but always builds its eager causal one).
+        # Not while tracing (torch.export, torch.compile): the test is a data-dependent branch,
+        # and an all-True mask gives the same attention.
+        if (not causal or as_bool) and not torch.compiler.is_compiling() and bool(keep.all()):
+            return None
         keep = keep[:, None, None, :]  # (B, 1, 1, T)
     else:
         keep = attention_mask.bool()[:, None, :, :]  # (B, 1, T, T)

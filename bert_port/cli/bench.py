@@ -161,38 +161,43 @@ def ratio(reference: list[float], times: list[float]) -> float:
 # -- the variants -------------------------------------------------------------------------
 
 
-def port_fast_forward(model, batch: dict[str, Tensor], layer_fn=None, attention: str = "padded_sdpa"):
-    """`BertModel.forward` with the encoder run by `fast.encode_unpadded` with the given
-    attention kind and layer function, whatever the model's own settings."""
-    from bert_port import fast
-
-    hidden = model.embed(batch["input_ids"], batch.get("token_type_ids"))
-    mask = batch.get("attention_mask")
-    if not fast.can_use_fast_path(mask, is_decoder=model.config.is_decoder):
-        return model(**batch)
-    hidden, _ = fast.encode_unpadded(model.bert_layers, hidden, mask, attention=attention, layer_fn=layer_fn)
-    pooled = model.pooler_af(model.pooler_dense(hidden[:, 0]))
-    return {"last_hidden_state": hidden, "pooler_output": pooled}
-
-
 @contextlib.contextmanager
-def padded_path(model):
-    """The model with `config.unpad_inputs` off: the padded path, transformers' own maths."""
-    config = model.config
-    old = getattr(config, "unpad_inputs", False)
-    config.unpad_inputs = False
+def config_override(model, **fields):
+    """The model with some config fields changed for the duration, e.g. `unpad_inputs=False`
+    (the padded path, transformers' own maths) or `attn_implementation="varlen"`."""
+    config = model.config  # shared by every module, which reads it at each call
+    old = {name: getattr(config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(config, name, value)
     try:
         yield model
     finally:
-        config.unpad_inputs = old
+        for name, value in old.items():
+            setattr(config, name, value)
+
+
+def padded_path(model):
+    """The model with `config.unpad_inputs` off: the padded path, transformers' own maths."""
+    return config_override(model, unpad_inputs=False)
+
+
+def bf16_matmul_is_fast(device: str | torch.device = "cpu") -> bool:
+    """Whether this device has native bf16 matmuls. CPUs without AVX512-BF16 or AMX emulate
+    them about 25x slower than fp32 (measured on an AVX2 EPYC), so bf16 is no speedup there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
 
 
 def build_variants(ours, ref, precision: str, device: torch.device, compiled=None) -> dict[str, Callable]:
     """Forward functions under inference mode, in `precision` (bf16/fp16: autocast, fp32
-    weights). "port" is the model as shipped (unpadded where `BertModel.encode` chooses
-    it); "port padded" turns that off; the last rows call fast.py with other settings."""
-    from bert_port import fast
-
+    weights). "port" is the model as shipped (unpadded where `BertModel.packing_for` allows);
+    "port padded" turns unpadding off; on CUDA in half precision "port, varlen" switches the
+    attention to varlen FlashAttention; `compiled` is a copy of `ours` whose layers run
+    under torch.compile."""
     dtype = PRECISIONS[precision]
 
     def wrap(fn):
@@ -202,21 +207,22 @@ def build_variants(ours, ref, precision: str, device: torch.device, compiled=Non
 
         return run
 
-    def padded(batch):
-        with padded_path(ours):
-            return ours(**batch)
+    def with_config(**fields):
+        def run(batch):
+            with config_override(ours, **fields):
+                return ours(**batch)
 
-    kind = fast.default_attention_kind(device, dtype or torch.float32, training=False)
+        return run
+
     variants = {
         "transformers": wrap(lambda b: ref(**b)),
         "port": wrap(lambda b: ours(**b)),
-        "port padded (unpad_inputs=False)": wrap(padded),
-        "port, per-sequence attention": wrap(lambda b: port_fast_forward(ours, b, attention="per_sequence")),
+        "port padded (unpad_inputs=False)": wrap(with_config(unpad_inputs=False)),
     }
-    if kind != "padded_sdpa":
-        variants[f"port, {kind} attention"] = wrap(lambda b: port_fast_forward(ours, b, attention=kind))
+    if device.type == "cuda" and dtype is not None:
+        variants["port, varlen attention"] = wrap(with_config(attn_implementation="varlen"))
     if compiled is not None:
-        variants["port + torch.compile"] = wrap(lambda b: port_fast_forward(ours, b, layer_fn=compiled, attention=kind))
+        variants["port + torch.compile"] = wrap(lambda b: compiled(**b))
     return variants
 
 
@@ -360,7 +366,7 @@ def throughput_rows(
     precisions: list[str],
     compiled=None,
 ) -> dict[str, Any]:
-    """Interleaved throughput of transformers, the port and the port with fast.py, per
+    """Interleaved throughput of transformers and the port's variants, per
     precision; each row with its real-token parity against transformers fp32."""
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     padded = sum(b["attention_mask"].numel() for b in batches)
@@ -442,16 +448,20 @@ def section_real_text(args, device: torch.device, precisions: list[str]) -> dict
 
 
 def _compiled_layer(args, ours, batches, device):
+    """A copy of `ours` whose every `BertLayer` runs under torch.compile(dynamic=True): N
+    changes with every batch. Packing stays outside the compiled region (it syncs)."""
     if not args.compile:
         return None
-    from bert_port import fast
+    import copy
 
-    log("compiling fast.layer_forward_unpadded with torch.compile(dynamic=True) ...")
-    compiled = fast.compile_layer_fn()
+    log("compiling each BertLayer of a copy of the model with torch.compile(dynamic=True) ...")
+    compiled = copy.deepcopy(ours)
+    for layer in compiled.bert_layers:
+        layer.compile(dynamic=True)
     t = time.perf_counter()
     with torch.inference_mode():
         for batch in batches[:2]:  # two different N: the dynamic graph and its recompile
-            port_fast_forward(ours, batch, layer_fn=compiled)
+            compiled(**batch)
     args._compile_seconds = time.perf_counter() - t
     log(f"compiled in {args._compile_seconds:.1f} s (first two batches, included nowhere else)")
     return compiled
@@ -713,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                         help="bf16 model rows: auto runs them only where bf16 matmuls are native (default auto)")  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="also time fast.py's layer under torch.compile")
+    parser.add_argument("--compile", action="store_true", help="also time the port with its layers under torch.compile")
     parser.add_argument("--profile", action="store_true", help="profile port vs transformers on the MR batches")
     parser.add_argument("--profile-dir", default=None, help="write chrome traces of the profile here")
     parser.add_argument("--load-reps", type=int, default=3, help="repetitions of each checkpoint load (default 3)")
@@ -743,8 +753,6 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    from bert_port import fast
-
     results: dict[str, Any] = {"machine": machine_info(device), "settings": vars(args).copy()}
     m = results["machine"]
     log(f"# bert_port benchmark\nmachine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} "
@@ -754,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         "compare the ratios (measured interleaved), not the absolute figures.")  # fmt: skip
 
     precisions = ["fp32"]
-    native_half = fast.bf16_matmul_is_fast(device)
+    native_half = bf16_matmul_is_fast(device)
     if args.bf16 == "on" or (args.bf16 == "auto" and native_half):
         precisions.append("bf16")
     elif args.bf16 == "auto":

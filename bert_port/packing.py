@@ -1,0 +1,75 @@
+"""Packing: the real tokens of a padded batch as one (N, ...) tensor, and back.
+
+A padded batch (B, T, H) with a (B, T) padding mask holds N real tokens. The dense layers,
+the FFN and the LayerNorms act on each token on its own, so they can run on the (N, H) real
+rows only; attention is the one place where tokens meet, and it needs to know where each
+sequence starts and ends, which `Packing` records.
+
+Shapes: B batch, T padded length, N real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the N real tokens of a (B, T) padded batch sit.
+
+    `indices` (N,) are flat positions in B*T, None when nothing is padded (then N = B*T and
+    packing is a reshape); `cu_seqlens` (B+1,) int32 are the offsets of each sequence in the
+    packed (N, ...) tensor (FlashAttention's varlen convention); `seqlens` the lengths on the
+    host. The real tokens of a row stay consecutive in the packed order even when the mask
+    has holes, and their positions were already added by the embeddings. `key_mask`
+    (B, 1, 1, T) is True at real tokens: the boolean SDPA mask of the padded layout. It stays
+    unexpanded: SDPA turns a boolean mask into a float one of the mask's own shape, and
+    the CPU kernel is markedly slower with a (B, 1, T, T) one.
+    """
+
+    indices: Tensor | None
+    cu_seqlens: Tensor
+    seqlens: tuple[int, ...]
+    batch_size: int
+    seq_len: int
+    key_mask: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seqlens)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+
+def pack(attention_mask: Tensor) -> Packing:
+    """Index the real tokens of a (B, T) 0/1 (int, float or bool) padding mask. One host
+    sync (the lengths), so call it outside `torch.export` and `torch.compile`."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"pack needs a (batch, seq_len) padding mask, got shape {tuple(attention_mask.shape)}")
+    keep = attention_mask.bool()  # (B, T)
+    B, T = keep.shape
+    lens = keep.sum(1)  # (B,)
+    cu_seqlens = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (B+1,)
+    seqlens = tuple(lens.tolist())
+    indices = None if all(n == T for n in seqlens) else keep.flatten().nonzero().squeeze(1)  # (N,)
+    return Packing(indices, cu_seqlens, seqlens, B, T, key_mask=keep[:, None, None, :])
+
+
+def unpad(x: Tensor, packing: Packing) -> Tensor:
+    """(B, T, ...) -> (N, ...): the real tokens, in row-major order."""
+    flat = x.reshape(packing.batch_size * packing.seq_len, *x.shape[2:])
+    return flat if packing.indices is None else flat.index_select(0, packing.indices)
+
+
+def pad(x: Tensor, packing: Packing) -> Tensor:
+    """(N, ...) -> (B, T, ...), zeros at padding positions. Differentiable (out of place)."""
+    if packing.indices is not None:
+        flat = x.new_zeros(packing.batch_size * packing.seq_len, *x.shape[1:])
+        x = flat.index_copy_(0, packing.indices, x)  # in place on a fresh buffer: autograd handles it
+    return x.view(packing.batch_size, packing.seq_len, *x.shape[1:])

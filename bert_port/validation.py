@@ -1,0 +1,82 @@
+"""Input checks for `BertModel.forward`: malformed input is a clear `ValueError` before any
+kernel runs, so a bad id never becomes a CUDA device-side assert or silent garbage."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import BertConfig
+
+
+def check_inputs(
+    config: BertConfig,
+    input_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    token_type_ids: Tensor | None,
+    position_ids: Tensor | None,
+    inputs_embeds: Tensor | None,
+) -> None:
+    """Raise `ValueError` for input `BertModel.forward` cannot run correctly.
+
+    Shapes and dtypes are always checked. The id ranges need the values on the host (a
+    device sync), which `torch.export` and `torch.compile` cannot trace: while they trace,
+    the range checks are skipped, so an exported program trusts its caller's ids.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point():
+            raise ValueError("input_ids must be integer token ids, got a floating tensor")
+        shape = tuple(input_ids.shape)
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be (batch, seq_len, {config.hidden_size}), got {tuple(inputs_embeds.shape)}"
+            )
+        shape = tuple(inputs_embeds.shape[:2])
+    B, T = shape
+    if B == 0 or T == 0:
+        raise ValueError(f"empty input of shape {shape}: need at least one sequence of at least one token")
+    if input_ids is not None:
+        _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
+    if position_ids is None and T > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {T} exceeds max_position_embeddings={config.max_position_embeddings}; "
+            f"truncate the input (e.g. tokenizer truncation to {config.max_position_embeddings})"
+        )
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
+            raise ValueError(f"position_ids must be (batch or 1, {T}), got {tuple(position_ids.shape)}")
+        _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
+    if token_type_ids is not None:
+        if tuple(token_type_ids.shape) != shape:
+            raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {shape}")
+        _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
+    if attention_mask is not None:
+        ok = {2: (B, T), 3: (B, T, T)}.get(attention_mask.dim())
+        if attention_mask.dim() == 4:
+            ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
+            if not ok_4d:
+                raise ValueError(f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got "
+                                 f"{tuple(attention_mask.shape)}")  # fmt: skip
+        elif tuple(attention_mask.shape) != ok:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
+                f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
+            )
+
+
+def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer ids (torch.long), got {ids.dtype}")
+    if torch.compiler.is_compiling():
+        return  # min/max on the host would be a data-dependent branch in the traced graph
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= upper:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{name} contains {bad}, outside [0, {upper}) of {what}; check the tokenizer matches the model"
+        )
