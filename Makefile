@@ -33,7 +33,7 @@ test-fast: setup
 # (oneDNN and MKL capped at AVX2). CI runs the generic ones.
 KERNELS      ?= default avx2 onednn
 PARITY_TESTS := tests/test_tolerance.py tests/test_parity_check.py tests/test_interface.py tests/test_foundation.py \
-                tests/test_fast.py tests/test_roundtrip.py tests/test_classifier.py
+                tests/test_packing.py tests/test_export.py tests/test_roundtrip.py tests/test_classifier.py
 ENV_default  := ATEN_CPU_CAPABILITY=default
 ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
 ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2

@@ -55,7 +55,7 @@ def _pair(config: dict, attn: str = "eager", add_pooling_layer: bool = True):
     """transformers' BertModel and ours with the same (random) weights, loaded through the
     production loader. The matrix checks the padded path, which mirrors transformers
     everywhere including pad positions; `test_unpadded_default_matches_transformers` and
-    tests/test_fast.py check the unpadded default on real tokens."""
+    tests/test_packing.py check the unpadded default on real tokens."""
     hf = hf_model(config, attn=attn, add_pooling_layer=add_pooling_layer)
     config = BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False)
     ours = BertModel(config, add_pooling_layer=add_pooling_layer)
@@ -566,7 +566,7 @@ def real(minilm_path):
     models = {}
     for attn in ATTNS:
         # The padded path, compared everywhere (pad positions too); the unpadded default is
-        # compared on real tokens in tests/test_fast.py.
+        # compared on real tokens in tests/test_packing.py.
         ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, unpad_inputs=False)
         ref = transformers.BertModel.from_pretrained(str(minilm_path), attn_implementation=attn).eval()
         models[attn] = (ref, ours)
