@@ -264,7 +264,9 @@ class BertPreTrainedModel(nn.Module):
         # would load and then fail inside forward (fp16 weights meeting fp32 activations).
         floating = [t.dtype for k, t in incoming.items() if k not in unused and t.is_floating_point()]
         target = dtype or (Counter(floating).most_common(1)[0][0] if floating else None)
-        odd = sorted(name(k) for k, t in incoming.items() if k not in unused and t.is_floating_point() and t.dtype != target)
+        odd = sorted(
+            name(k) for k, t in incoming.items() if k not in unused and t.is_floating_point() and t.dtype != target
+        )
         if dtype is None and odd:
             log.warning("%s: cast %d tensor(s) to %s, the dtype of the others: %s", source, len(odd),
                         str(target).removeprefix("torch."), ckpt._listing(odd))  # fmt: skip
@@ -337,11 +339,14 @@ class BertPreTrainedModel(nn.Module):
             lines += listed(unexpected, lambda k: f"{name(k)}: {tuple(incoming[k].shape)}")
         if wrong_kind:
             lines.append(f"  wrong dtype ({len(wrong_kind)}), not castable to what the model holds:")
-            lines += listed(wrong_kind, lambda k: f"{name(k)}: checkpoint {incoming[k].dtype}, model {expected[k].dtype}")
+            lines += listed(
+                wrong_kind, lambda k: f"{name(k)}: checkpoint {incoming[k].dtype}, model {expected[k].dtype}"
+            )
         if mismatched:
             lines.append(f"  wrong shape ({len(mismatched)}):")
             lines += listed(
-                mismatched, lambda k: f"{name(k)}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}"
+                mismatched,
+                lambda k: f"{name(k)}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}",
             )
             lines.append(
                 "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "

@@ -415,9 +415,7 @@ def _locate_checkpoint(
         weights = next((p / name for name in WEIGHT_NAMES if (p / name).is_file()), None)
         if weights is None:
             present = sorted(x.name for x in p.iterdir())[:20]
-            raise CheckpointError(
-                f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}"
-            )
+            raise CheckpointError(f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}")
         directory = p
     else:
         weights, directory = p, p.parent
@@ -520,7 +518,7 @@ def _read_index(path: Path) -> dict[str, Tensor]:
             f"{_listing([repr(b)[:100] for b in bad])}. A shard is a .safetensors or .bin file beside the index: "
             "restore the index from the original checkpoint"
         )
-    missing = [s for s in shards if not (path.parent / s).is_file()]
+    missing = [s for s in shards if not _is_file(path.parent / s)]
     if missing:
         raise CheckpointError(
             f"shard index {path} names {len(missing)} shard file(s) that are not in {path.parent}: "
@@ -540,6 +538,13 @@ def _read_index(path: Path) -> dict[str, Tensor]:
             "The index and shards come from different saves: fetch them again together"
         )
     return state
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, a permission denied on the way: not a file we can read
+        return False
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
@@ -888,9 +893,7 @@ def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def stage_weights(
-    stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB"
-) -> list[str]:
+def stage_weights(stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB") -> list[str]:
     """Stage `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus
     `model.safetensors.index.json` when the weights exceed `max_shard_size` (HF's names and
     index format). Returns the file names staged, the index last."""

@@ -113,12 +113,12 @@ class BertConfig:
                 problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.problem_type is not None and not isinstance(self.problem_type, str):
             problems.append(f"problem_type must be a string or null, got {self.problem_type!r}")
-        if self.pad_token_id is not None and (isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int)):
+        if self.pad_token_id is not None and (
+            isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int)
+        ):
             problems.append(f"pad_token_id must be an integer or null, got {self.pad_token_id!r}")
         if isinstance(self.hidden_act, str) and self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            problems.append(
-                f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}"
-            )
+            problems.append(f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}")
         if isinstance(self.position_embedding_type, str) and self.position_embedding_type != "absolute":
             problems.append(
                 f"position_embedding_type {self.position_embedding_type!r} is not supported "

@@ -52,7 +52,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         raise
     except OSError as exc:
         raise TokenizerError(f"cannot read {current}: {exc.strerror or exc}; check that you may read it") from None
-    except Exception as exc:  # the tokenizers library raises bare Exception for a corrupt tokenizer.json
+    except Exception as exc:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a corrupt file
         raise TokenizerError(
             f"{current} is not a valid tokenizer file ({type(exc).__name__}: {str(exc)[:300]}); copy the tokenizer "
             "files of the checkpoint again"
@@ -108,7 +108,10 @@ def encode(
     finally:
         tokenizer.no_truncation()
     T = max(pad_to or 0, max(len(e.ids) for e in encodings))
-    out = {name: torch.zeros(len(encodings), T, dtype=torch.long) for name in ("input_ids", "token_type_ids", "attention_mask")}
+    out = {
+        name: torch.zeros(len(encodings), T, dtype=torch.long)
+        for name in ("input_ids", "token_type_ids", "attention_mask")
+    }
     out["input_ids"].fill_(pad_id)
     for i, e in enumerate(encodings):
         n = len(e.ids)
