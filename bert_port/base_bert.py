@@ -260,8 +260,8 @@ class BertPreTrainedModel(nn.Module):
             log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(map(name, unused)))
 
         # One floating dtype for the whole model: the one asked for, else the one most of the
-        # file's tensors have. transformers casts an odd tensor to it the same way; kept, it
-        # would load and then fail inside forward (fp16 weights meeting fp32 activations).
+        # file's tensors have (transformers casts every tensor to the model's dtype too). An
+        # odd tensor kept as it is would load, then fail inside forward (fp16 meeting fp32).
         floating = [t.dtype for k, t in incoming.items() if k not in unused and t.is_floating_point()]
         target = dtype or (Counter(floating).most_common(1)[0][0] if floating else None)
         odd = sorted(
@@ -269,7 +269,7 @@ class BertPreTrainedModel(nn.Module):
         )
         if dtype is None and odd:
             log.warning("%s: cast %d tensor(s) to %s, the dtype of the others: %s", source, len(odd),
-                        str(target).removeprefix("torch."), ckpt._listing(odd))  # fmt: skip
+                        str(target).removeprefix("torch."), ckpt.short_list(odd))  # fmt: skip
         prepared = {}
         for key, tensor in incoming.items():
             if key in unused:
@@ -367,8 +367,10 @@ class BertPreTrainedModel(nn.Module):
         field that was read, plus `architectures` and `dtype`, which describe what is
         saved), `model.safetensors` under HF names (or shards and an index above
         `max_shard_size`, e.g. "500MB") and, when the model was loaded from a directory with
-        tokenizer files, copies of those. All files are staged under temporary names and
-        renamed into place together, so an interrupted save leaves the previous files intact."""
+        tokenizer files, copies of those (another model's tokenizer files in the folder are
+        removed, see `_stage_tokenizer`). The save is one `checkpoint.StagedWrite`: files are
+        staged under temporary names and committed together under a lock on the folder, so an
+        interrupted, killed or concurrent save leaves one whole checkpoint, the old or the new."""
         ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
         out = Path(save_directory)
         config = self.config.to_dict()

@@ -243,7 +243,11 @@ def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source:
     if have == set(range(num_hidden_layers)):
         return
     found = sorted(have)
-    shown = f"layers {_listing([str(i) for i in found], 10)}" if found else "no encoder layers"
+    shown = (
+        f"layers {short_list([str(i) for i in found], 10)}"
+        if found
+        else "no encoder layers (no key like encoder.layer.0.*)"
+    )
     raise CheckpointError(
         f"cannot load {source}: config.json gives num_hidden_layers={num_hidden_layers}, but the checkpoint has "
         f"tensors for {shown} ({len(found)} in all). Check that the config belongs to these weights. "
@@ -515,14 +519,14 @@ def _read_index(path: Path) -> dict[str, Tensor]:
     if bad:
         raise CheckpointError(
             f"shard index {path} names {len(bad)} shard(s) outside its directory or not weights files: "
-            f"{_listing([repr(b)[:100] for b in bad])}. A shard is a .safetensors or .bin file beside the index: "
+            f"{short_list([repr(b)[:100] for b in bad])}. A shard is a .safetensors or .bin file beside the index: "
             "restore the index from the original checkpoint"
         )
     missing = [s for s in shards if not _is_file(path.parent / s)]
     if missing:
         raise CheckpointError(
             f"shard index {path} names {len(missing)} shard file(s) that are not in {path.parent}: "
-            f"{_listing(missing)}. The download or copy is incomplete: fetch the missing shards"
+            f"{short_list(missing)}. The download or copy is incomplete: fetch the missing shards"
         )
     state: dict[str, Tensor] = {}
     for shard in shards:
@@ -534,7 +538,7 @@ def _read_index(path: Path) -> dict[str, Tensor]:
     absent = sorted(set(weight_map) - set(state))
     if absent:
         raise CheckpointError(
-            f"shard index {path} lists {len(absent)} tensor(s) its shards lack: {_listing(absent, 10)}. "
+            f"shard index {path} lists {len(absent)} tensor(s) its shards lack: {short_list(absent, 10)}. "
             "The index and shards come from different saves: fetch them again together"
         )
     return state
@@ -547,7 +551,7 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _listing(names: list[str], limit: int = 20) -> str:
+def short_list(names: list[str], limit: int = 20) -> str:
     """The first `limit` names, and how many more: an error stays readable however many."""
     shown = ", ".join(names[:limit])
     return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
