@@ -7,7 +7,6 @@ The conversions are pure functions (state dict in, state dict out). File I/O liv
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
@@ -25,6 +24,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:  # Windows: saves run unlocked there
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +240,12 @@ def layer_indices(state_dict: Iterable[str]) -> set[int]:
 
 
 def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
-    """Raise `CheckpointError` when the config's layer count is not the checkpoint's, before
-    any module is built: a config claiming 100000 layers would otherwise build them all
-    (minutes, gigabytes) only to report every one missing."""
+    """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
+    module is built: a config claiming 100000 layers would otherwise build them all
+    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
+    config's cost nothing to build against and are listed by the load's usual error."""
     have = layer_indices(state_dict)
-    if have == set(range(num_hidden_layers)):
+    if set(range(num_hidden_layers)) <= have:
         return
     found = sorted(have)
     shown = (
@@ -626,7 +631,10 @@ class _DirectoryLock:
     other's files. Filesystems without flock (some network mounts) save unlocked."""
 
     def __init__(self, directory: Path):
-        self.fd: int | None = os.open(directory, os.O_RDONLY)
+        self.fd: int | None = None
+        if fcntl is None:
+            return
+        self.fd = os.open(directory, os.O_RDONLY)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except OSError as exc:
@@ -652,7 +660,7 @@ def _signals_deferred() -> Iterator[None]:
         return
     received: list[int] = []
     previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
         handler = signal.getsignal(sig)
         if handler is None or handler == signal.SIG_IGN:  # installed outside Python, or ignored
             continue
