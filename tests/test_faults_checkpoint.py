@@ -605,3 +605,27 @@ def test_unreadable_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.open", denied)
     with pytest.raises(TokenizerError, match="cannot read .*vocab.txt: Permission denied"):
         load_tokenizer(tmp_path)
+
+
+def test_600_random_header_bit_flips_load_or_raise_checkpoint_error(tiny_dir):
+    """Each flip of one bit in the safetensors header either still describes a loadable
+    file or is a CheckpointError: never another exception, a crash or a hang."""
+    import random
+
+    path = tiny_dir / "model.safetensors"
+    original = path.read_bytes()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    rng = random.Random(0)
+    live = BertModel(BertConfig(**TINY))
+    outcomes = {"loaded": 0, "refused": 0}
+    for _ in range(600):
+        data = bytearray(original)
+        bit = rng.randrange(header_end * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(data))
+        try:
+            live.load_hf_state_dict(ckpt.read_weights(path), check_finite="ignore")
+            outcomes["loaded"] += 1
+        except CheckpointError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 500, outcomes
