@@ -207,7 +207,10 @@ class BertPreTrainedModel(nn.Module):
         """
         _check_finite_mode(check_finite)
         dtype = resolve_dtype(dtype)
-        device = torch.device(device) if device is not None else None
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a device torch knows ({exc})") from None
         conversion = ckpt.hf_to_port(state_dict)
         incoming, sources = conversion.state_dict, conversion.sources
         if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay

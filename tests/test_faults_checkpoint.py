@@ -325,6 +325,15 @@ def test_revision_cannot_leave_the_cache(tmp_path, monkeypatch, revision):
         BertModel.from_pretrained("org/tiny", revision=revision)
 
 
+def test_convert_with_an_escaping_revision_exits_2(tmp_path, monkeypatch, capsys):
+    repo, _ = _cache_with_outside_checkpoint(tmp_path, monkeypatch)
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert convert_main(["org/tiny", str(tmp_path / "out"), "--revision", "../../../dir"]) == 2
+    err = capsys.readouterr().err
+    assert "not a ref name or commit hash" in err and "--revision main" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_revision_must_name_a_listed_snapshot(tmp_path, monkeypatch):
     repo, _ = _cache_with_outside_checkpoint(tmp_path, monkeypatch)
     (repo / "refs" / "main").write_text("b" * 40)  # a plain name, but no such snapshot
@@ -433,6 +442,16 @@ def test_dtype_argument_that_is_not_floating_leaves_a_live_model_untouched(tiny_
     )
     with pytest.raises(ValueError, match="dtype must be a floating torch dtype"):
         BertModel.from_pretrained(tiny_dir, dtype=dtype)
+
+
+def test_unknown_device_leaves_a_live_model_untouched(tiny_dir):
+    from safetensors.torch import load_file
+
+    live = BertModel(BertConfig(**TINY))
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        live.load_hf_state_dict(load_file(tiny_dir / "model.safetensors"), device="gpu7")
+    assert all(torch.equal(live.state_dict()[k], v) for k, v in before.items())
 
 
 @pytest.mark.parametrize("dtype", ["float16", "torch.bfloat16", "auto", torch.float16])

@@ -24,7 +24,7 @@ import torch
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Loader arguments this command has a flag for: a library error that suggests one of them
 # is printed naming the flag (see CheckpointError.for_command_line).
-FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file"}
+FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file", "revision": "--revision"}
 
 
 def _parser() -> argparse.ArgumentParser:
