@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,9 +48,41 @@ def meta_init() -> Iterator[None]:
             setattr(nn.init, n, fn)
 
 
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating dtype from `torch.float16`, `"float16"`, `"torch.float16"`, or None /
+    `"auto"` for the checkpoint's own (as transformers accepts them). Anything else is a
+    `ValueError`, raised before a file is read or a tensor is touched."""
+    if dtype is None or dtype == "auto":
+        return None
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating torch dtype (torch.float32, 'float16', 'bfloat16', ...) or 'auto', "
+            f"got {dtype!r}: BERT's weights are floating point"
+        )
+    return resolved
+
+
 def _check_finite_mode(mode: str) -> None:
     if mode not in CHECK_FINITE_MODES:
         raise ValueError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {mode!r}")
+
+
+# The fields that fix the shapes of the weights, and with vocab_size the tokenizer.
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "type_vocab_size")  # fmt: skip
+
+
+def _same_shape(config_file: Path, config: dict) -> bool:
+    """Whether the config.json already in a folder (if any) describes a model shaped like
+    `config`. No config there: nothing says its tokenizer files belong to another model."""
+    try:
+        previous = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return isinstance(previous, dict) and all(previous.get(f) == config.get(f) for f in _SHAPE_FIELDS)
 
 
 class BertPreTrainedModel(nn.Module):
@@ -119,7 +152,9 @@ class BertPreTrainedModel(nn.Module):
         beside it or `config_file=`), or a model id (`bert-base-uncased`, `org/name`)
         found in the local HF cache, never over the network.
 
-        dtype: cast floating weights to it; None keeps the checkpoint's dtype.
+        dtype: cast floating weights to it (a torch dtype or its name, "float16"); None or
+            "auto" keeps the checkpoint's, casting any odd tensor to the dtype most of its
+            tensors have, as transformers does.
         device: where the weights go (default CPU).
         check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
             or "ignore" for NaN/Inf weights.
@@ -131,6 +166,7 @@ class BertPreTrainedModel(nn.Module):
         eval mode.
         """
         _check_finite_mode(check_finite)
+        dtype = resolve_dtype(dtype)
         files = ckpt.locate_checkpoint(path, config_file, revision)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
         if config is None:
@@ -139,6 +175,7 @@ class BertPreTrainedModel(nn.Module):
             runtime = {"attn_implementation": config.attn_implementation, "unpad_inputs": config.unpad_inputs}
             config = BertConfig.from_dict(config.to_dict(), **{**runtime, **kwargs})
         state = ckpt.read_weights(files.weights_file)
+        ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
         with meta_init():
             model = cls(config, **init_kwargs)
         model.load_hf_state_dict(
@@ -169,6 +206,11 @@ class BertPreTrainedModel(nn.Module):
         before anything is written into the model.
         """
         _check_finite_mode(check_finite)
+        dtype = resolve_dtype(dtype)
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a device torch knows ({exc})") from None
         conversion = ckpt.hf_to_port(state_dict)
         incoming, sources = conversion.state_dict, conversion.sources
         if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay
@@ -196,9 +238,17 @@ class BertPreTrainedModel(nn.Module):
         unexpected = [k for k in unexpected if k not in unused]
         mismatched = [k for k in incoming if k in expected and incoming[k].shape != expected[k].shape]
 
-        if missing or unexpected or mismatched:
+        # A tensor the model holds as floating point must be floating in the file (an int64 or
+        # bool weight is a broken export, not something to cast); integer buffers keep theirs.
+        wrong_kind = [
+            k for k in incoming
+            if k in expected and k not in mismatched
+            and (incoming[k].is_floating_point() != expected[k].is_floating_point()
+                 or (not expected[k].is_floating_point() and incoming[k].dtype != expected[k].dtype))
+        ]  # fmt: skip
+        if missing or unexpected or mismatched or wrong_kind:
             raise ckpt.CheckpointError(
-                self._describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched)
+                self._describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind)
             )
         if check_finite != "ignore":
             bad = ckpt.non_finite({name(k): v for k, v in incoming.items()})
@@ -212,13 +262,23 @@ class BertPreTrainedModel(nn.Module):
         if unused:
             log.warning("%s: not used by %s (ignored): %s", source, type(self).__name__, ", ".join(map(name, unused)))
 
-        device = torch.device(device) if device is not None else None
+        # One floating dtype for the whole model: the one asked for, else the one most of the
+        # file's tensors have (transformers casts every tensor to the model's dtype too). An
+        # odd tensor kept as it is would load, then fail inside forward (fp16 meeting fp32).
+        floating = [t.dtype for k, t in incoming.items() if k not in unused and t.is_floating_point()]
+        target = dtype or (Counter(floating).most_common(1)[0][0] if floating else None)
+        odd = sorted(
+            name(k) for k, t in incoming.items() if k not in unused and t.is_floating_point() and t.dtype != target
+        )
+        if dtype is None and odd:
+            log.warning("%s: cast %d tensor(s) to %s, the dtype of the others: %s", source, len(odd),
+                        str(target).removeprefix("torch."), ckpt.short_list(odd))  # fmt: skip
         prepared = {}
         for key, tensor in incoming.items():
             if key in unused:
                 continue
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
+            if target is not None and tensor.is_floating_point():
+                tensor = tensor.to(target)
             if device is not None:
                 tensor = tensor.to(device)
             prepared[key] = tensor
@@ -228,6 +288,8 @@ class BertPreTrainedModel(nn.Module):
         else:
             # A live model: copy into its parameters, as torch does, so that the caller's
             # tensors are not shared and an optimiser built earlier still holds the weights.
+            # Everything that can fail (names, shapes, dtypes, values, the dtype and device
+            # arguments) was checked above, so the copies below do not stop halfway.
             self.load_state_dict(prepared, strict=False)
             if dtype is not None or device is not None:
                 self.to(device=device, dtype=dtype)
@@ -261,23 +323,34 @@ class BertPreTrainedModel(nn.Module):
             module.to(dtype or reference.dtype)
 
     @staticmethod
-    def _describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched) -> str:
+    def _describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind=()) -> str:
+        limit = 50  # per list: a config or file off by thousands of tensors still gives a readable error
+
+        def listed(keys, describe):
+            out = [f"    {describe(k)}" for k in keys[:limit]]
+            return out + ([f"    ... and {len(keys) - limit} more"] if len(keys) > limit else [])
+
         lines = [
             f"cannot load {source}: the checkpoint does not fit the model. "
             "Tensors are named as in the file (-> the port's name, where it differs)."
         ]
         if missing:
             lines.append(f"  missing ({len(missing)}), the model needs these and the checkpoint lacks them:")
-            lines += [f"    {name(k)}: expected {tuple(expected[k].shape)}" for k in missing]
+            lines += listed(missing, lambda k: f"{name(k)}: expected {tuple(expected[k].shape)}")
         if unexpected:
             lines.append(f"  unexpected ({len(unexpected)}), in the checkpoint but not in the model:")
-            lines += [f"    {name(k)}: {tuple(incoming[k].shape)}" for k in unexpected]
+            lines += listed(unexpected, lambda k: f"{name(k)}: {tuple(incoming[k].shape)}")
+        if wrong_kind:
+            lines.append(f"  wrong dtype ({len(wrong_kind)}), not castable to what the model holds:")
+            lines += listed(
+                wrong_kind, lambda k: f"{name(k)}: checkpoint {incoming[k].dtype}, model {expected[k].dtype}"
+            )
         if mismatched:
             lines.append(f"  wrong shape ({len(mismatched)}):")
-            lines += [
-                f"    {name(k)}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}"
-                for k in mismatched
-            ]
+            lines += listed(
+                mismatched,
+                lambda k: f"{name(k)}: checkpoint {tuple(incoming[k].shape)}, model {tuple(expected[k].shape)}",
+            )
             lines.append(
                 "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "
                 "the config belongs to these weights."
@@ -297,8 +370,10 @@ class BertPreTrainedModel(nn.Module):
         field that was read, plus `architectures` and `dtype`, which describe what is
         saved), `model.safetensors` under HF names (or shards and an index above
         `max_shard_size`, e.g. "500MB") and, when the model was loaded from a directory with
-        tokenizer files, copies of those. All files are staged under temporary names and
-        renamed into place together, so an interrupted save leaves the previous files intact."""
+        tokenizer files, copies of those (another model's tokenizer files in the folder are
+        removed, see `_stage_tokenizer`). The save is one `checkpoint.StagedWrite`: files are
+        staged under temporary names and committed together under a lock on the folder, so an
+        interrupted, killed or concurrent save leaves one whole checkpoint, the old or the new."""
         ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
         out = Path(save_directory)
         config = self.config.to_dict()
@@ -310,14 +385,36 @@ class BertPreTrainedModel(nn.Module):
         if "torch_dtype" in config:  # the pre-v5 name, kept because it was read, kept true
             config["torch_dtype"] = config["dtype"]
         with ckpt.StagedWrite(out) as stage:
-            weight_names = ckpt.stage_weights(stage, self.hf_state_dict(), max_shard_size)
+            ckpt.stage_weights(stage, self.hf_state_dict(), max_shard_size)
+            self._stage_tokenizer(stage, config)
             stage.text(ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
-            if self.source_dir is not None and Path(self.source_dir).resolve() != out.resolve():
-                for name in ckpt.TOKENIZER_FILES:
-                    if (Path(self.source_dir) / name).is_file():
-                        stage.copy(name, Path(self.source_dir) / name)
-        ckpt.remove_stale_weights(out, weight_names)
         return out
+
+    def _stage_tokenizer(self, stage: ckpt.StagedWrite, config: dict) -> None:
+        """The folder's tokenizer files after the save are the model's: those of the directory
+        it was loaded from, copied; any other tokenizer file there is deleted, since
+        `load_tokenizer` would otherwise pick another model's `tokenizer.json` over the copied
+        `vocab.txt`. A model that knows no tokenizer files (built in code) keeps those in the
+        folder unless the folder's previous config.json is a model of another shape, whose
+        tokenizer they are."""
+        out = stage.directory
+        present = [n for n in ckpt.TOKENIZER_FILES if (out / n).is_file()]
+        source = Path(self.source_dir) if self.source_dir is not None else None
+        if source is not None and source.resolve() == out.resolve():
+            return  # saved over the folder it came from: its tokenizer files are its own
+        own = [n for n in ckpt.TOKENIZER_FILES if source is not None and (source / n).is_file()]
+        for name in own:
+            stage.copy(name, source / name)
+        if own:
+            foreign = [n for n in present if n not in own]
+        elif present and not _same_shape(out / ckpt.CONFIG_NAME, config):
+            foreign = present
+        else:
+            foreign = []
+        if foreign:
+            log.warning("%s: removing tokenizer files of the model saved there before: %s", out, ", ".join(foreign))
+            for name in foreign:
+                stage.remove(name)
 
     @property
     def hf_architecture(self) -> str:

@@ -13,7 +13,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -22,6 +24,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:  # Windows: saves run unlocked there
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +229,37 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
     return out
 
 
+def layer_indices(state_dict: Iterable[str]) -> set[int]:
+    """The encoder layer indices a state dict (any layout) has tensors for."""
+    out = set()
+    for raw in state_dict:
+        match = re.match(r"encoder\.layer\.(\d+)\.", normalize_hf_key(raw))
+        if match:
+            out.add(int(match.group(1)))
+    return out
+
+
+def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
+    """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
+    module is built: a config claiming 100000 layers would otherwise build them all
+    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
+    config's cost nothing to build against and are listed by the load's usual error."""
+    have = layer_indices(state_dict)
+    if set(range(num_hidden_layers)) <= have:
+        return
+    found = sorted(have)
+    shown = (
+        f"layers {short_list([str(i) for i in found], 10)}"
+        if found
+        else "no encoder layers (no key like encoder.layer.0.*)"
+    )
+    raise CheckpointError(
+        f"cannot load {source}: config.json gives num_hidden_layers={num_hidden_layers}, but the checkpoint has "
+        f"tensors for {shown} ({len(found)} in all). Check that the config belongs to these weights. "
+        "Nothing was loaded"
+    )
+
+
 def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "") -> dict[str, Tensor]:
     """Inverse of `hf_to_port` for a port state dict. Encoder keys get HF names with
     `encoder_prefix` (``""`` for BertModel, ``"bert."`` for task models); head keys keep
@@ -289,6 +327,15 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and "--" not in name and ".." not in name and not name.startswith(".")
 
 
+def _is_ref_name(revision: str) -> bool:
+    """A ref name or commit that stays inside `refs/` and `snapshots/`: relative, no `..`
+    or empty parts, no backslash or NUL."""
+    if not isinstance(revision, str) or not revision or "\\" in revision or "\0" in revision:
+        return False
+    parts = revision.split("/")
+    return not revision.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
 def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
     """The snapshot directory of `model_id` in the local HF cache, without any network.
 
@@ -309,10 +356,32 @@ def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
             f"{not_local} and the Hugging Face cache has no copy of it: searched {repo} "
             f"(cache {cache}, chosen by {rule}). {fix}"
         )
+    # A revision is a ref name (`main`, `refs/pr/1`) or a commit hash, and a ref file holds a
+    # commit hash: neither may lead out of the repo's folder. As huggingface_hub's
+    # try_to_load_from_cache does, the commit is used only if it names an existing snapshot.
+    if not _is_ref_name(revision):
+        raise CheckpointError(
+            f"revision {revision!r} is not a ref name or commit hash (it is empty, absolute, or has a '..' part); "
+            "use a branch such as 'main' or a commit hash",
+            hint="Pass {}", argument="revision", value="main",
+        )  # fmt: skip
     ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snapshot = repo / "snapshots" / commit
-    if snapshot.is_dir():
+    try:
+        commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else revision
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read the cache ref {ref} ({exc}); download the model again") from None
+    if ref.is_file() and not (_is_ref_name(commit) and "/" not in commit):
+        raise CheckpointError(
+            f"the cache ref {ref} holds {commit[:80]!r}, not a commit hash; the cache is damaged: download the "
+            f"model again (`hf download {model_id}`)"
+        )
+    snapshots_dir = repo / "snapshots"
+    try:
+        listed = set(os.listdir(snapshots_dir)) if snapshots_dir.is_dir() else set()
+    except OSError as exc:
+        raise CheckpointError(f"cannot list {snapshots_dir} ({exc})") from None
+    snapshot = snapshots_dir / commit
+    if commit in listed and snapshot.is_dir():
         return snapshot
     snapshots = sorted(p.name for p in (repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
     refs = sorted(p.name for p in (repo / "refs").glob("*")) if (repo / "refs").is_dir() else []
@@ -333,19 +402,29 @@ def locate_checkpoint(
     """Resolve a directory, a weights file, or a model id from the HF cache to files.
     A string that is not an existing path and looks like a hub id (`name` or `org/name`)
     is looked up in the cache; `revision` picks the ref (or commit) there."""
+    try:
+        return _locate_checkpoint(path, config_file, revision)
+    except OSError as exc:  # a folder or file we may not read (permissions), a name too long, ...
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+
+
+def _locate_checkpoint(
+    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str
+) -> CheckpointFiles:
+    if isinstance(path, str) and "\0" in path:
+        raise CheckpointError(f"no checkpoint at {path!r}: a path cannot hold a NUL character")
     p = Path(path).expanduser()
     if not p.exists():
         if isinstance(path, str) and is_repo_id(path):
             p = find_in_hf_cache(path, revision)
         else:
             raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    recover(p if p.is_dir() else p.parent)  # a save killed mid-commit is finished first
     if p.is_dir():
         weights = next((p / name for name in WEIGHT_NAMES if (p / name).is_file()), None)
         if weights is None:
             present = sorted(x.name for x in p.iterdir())[:20]
-            raise CheckpointError(
-                f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}"
-            )
+            raise CheckpointError(f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}")
         directory = p
     else:
         weights, directory = p, p.parent
@@ -362,13 +441,23 @@ def locate_checkpoint(
 # Reading
 
 
+def _unreadable(path: Path, exc: OSError) -> CheckpointError:
+    """A file the OS will not give us (permissions, a directory, an I/O error), as opposed
+    to one whose bytes are wrong."""
+    return CheckpointError(
+        f"cannot read {path}: {exc.strerror or exc}. Check that the file exists and that you may read it"
+    )
+
+
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    except (SafetensorError, ValueError) as exc:
         raise CheckpointError(
             f"{path} is not a readable safetensors file ({exc}). It is probably truncated or "
             "corrupt: download or copy it again"
@@ -395,6 +484,8 @@ def _read_torch_pickle(path: Path) -> dict[str, Tensor]:
             "Nothing in it was executed. If you trust the file, convert it to safetensors in a trusted, "
             "isolated environment first"
         ) from None
+    except (PermissionError, IsADirectoryError) as exc:
+        raise _unreadable(path, exc) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(
@@ -409,35 +500,66 @@ def _read_torch_pickle(path: Path) -> dict[str, Tensor]:
     return state
 
 
+_SHARD_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
 def _read_index(path: Path) -> dict[str, Tensor]:
     try:
         weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
         shards = sorted(set(weight_map.values()))
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(
-            f"{path} is not a valid shard index ({type(exc).__name__}: {exc}); it must be a JSON object whose "
-            "'weight_map' maps each tensor name to a shard file name. Restore it from the original checkpoint"
+            f"{path} is not a valid shard index ({type(exc).__name__}: {str(exc)[:200]}); it must be a JSON object "
+            "whose 'weight_map' maps each tensor name to a shard file name. Restore it from the original checkpoint"
         ) from None
-    # Shards live beside the index; a name that leaves the directory is not a shard.
-    bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
+    # Shards live beside the index and are weights files: a name that leaves the directory,
+    # or names an index (this one, which would recurse forever, or another), is not a shard.
+    bad = [
+        s for s in shards
+        if not isinstance(s, str) or not _plain_name(s) or Path(s).name != s
+        or s.endswith(".index.json") or not s.endswith(_SHARD_SUFFIXES)
+    ]  # fmt: skip
     if bad:
-        raise CheckpointError(f"shard index {path} names shards outside its directory: {bad[:5]}")
-    missing = [s for s in shards if not (path.parent / s).is_file()]
+        raise CheckpointError(
+            f"shard index {path} names {len(bad)} shard(s) outside its directory or not weights files: "
+            f"{short_list([repr(b)[:100] for b in bad])}. A shard is a .safetensors or .bin file beside the index: "
+            "restore the index from the original checkpoint"
+        )
+    missing = [s for s in shards if not _is_file(path.parent / s)]
     if missing:
         raise CheckpointError(
             f"shard index {path} names {len(missing)} shard file(s) that are not in {path.parent}: "
-            f"{', '.join(missing)}. The download or copy is incomplete: fetch the missing shards"
+            f"{short_list(missing)}. The download or copy is incomplete: fetch the missing shards"
         )
     state: dict[str, Tensor] = {}
     for shard in shards:
-        state.update(read_weights(path.parent / shard))
+        shard_path = path.parent / shard
+        tensors = _read_safetensors(shard_path) if shard.endswith(".safetensors") else _read_torch_pickle(shard_path)
+        # Each tensor comes from the shard the index names for it (as transformers reads
+        # them); a copy in another shard is ignored rather than silently winning.
+        state.update({k: v for k, v in tensors.items() if weight_map.get(k, shard) == shard})
     absent = sorted(set(weight_map) - set(state))
     if absent:
         raise CheckpointError(
-            f"shard index {path} lists {len(absent)} tensor(s) its shards lack: {', '.join(absent[:10])}. "
+            f"shard index {path} lists {len(absent)} tensor(s) its shards lack: {short_list(absent, 10)}. "
             "The index and shards come from different saves: fetch them again together"
         )
     return state
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, a permission denied on the way: not a file we can read
+        return False
+
+
+def short_list(names: list[str], limit: int = 20) -> str:
+    """The first `limit` names, and how many more: an error stays readable however many."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -478,19 +600,178 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(directory: Path) -> None:
+    try:
+        _fsync(directory)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+
+
+# Hidden files of a save in progress: temporaries `.{name}.XXXXXXXX.tmp` (mkstemp's eight
+# random characters) and the commit journal. Only a save holding the directory's lock has
+# any, so whatever matches when the lock is taken was left by a killed save.
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
+JOURNAL = ".bert_port-commit.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _removable(name: str) -> bool:
+    """Names a save may delete: safetensors weights of another layout and tokenizer files.
+    A journal naming anything else is not ours, and is refused rather than obeyed."""
+    return name in (SAFE_WEIGHTS, SAFE_INDEX, *TOKENIZER_FILES) or bool(_SHARD_NAME.fullmatch(name))
+
+
+def _plain_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+class _DirectoryLock:
+    """An exclusive `flock` on the directory itself (no lock file is left behind), so that
+    two processes or threads saving into one folder take turns instead of deleting each
+    other's files. Filesystems without flock (some network mounts) save unlocked."""
+
+    def __init__(self, directory: Path):
+        self.fd: int | None = None
+        if fcntl is None:
+            return
+        self.fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.debug("cannot lock %s (%s); saving without a lock", directory, exc)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the lock
+            self.fd = None
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the renames of a commit run, and deliver them
+    after: a Ctrl-C then lands before the commit or after it, never halfway. Python runs
+    signal handlers in the main thread only, so other threads have nothing to defer.
+    SIGKILL cannot be deferred: the journal (see `StagedWrite.commit`) covers it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
+        handler = signal.getsignal(sig)
+        if handler is None or handler == signal.SIG_IGN:  # installed outside Python, or ignored
+            continue
+        previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in received:
+            signal.raise_signal(signum)
+
+
+def _apply_journal(directory: Path) -> bool:
+    """Carry out the journal's renames and deletions (idempotent), then delete it. Call with
+    the directory's lock held."""
+    journal = directory / JOURNAL
+    if not journal.is_file():
+        return False
+    try:
+        plan = json.loads(journal.read_text(encoding="utf-8"))
+        renames, removals = plan["rename"], plan["remove"]
+        valid = (
+            isinstance(renames, list) and isinstance(removals, list)
+            and all(isinstance(r, list) and len(r) == 2 and all(map(_plain_name, r)) for r in renames)
+            and all(_TEMPORARY.fullmatch(tmp) for tmp, _ in renames)
+            and all(_plain_name(n) and _removable(n) for n in removals)
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise CheckpointError(
+            f"{journal} is not a commit journal this package wrote (unreadable, or naming files outside its folder "
+            "or files a save never deletes); nothing was changed. Delete it, then check the checkpoint files"
+        )
+    for tmp, target in renames:
+        if (directory / tmp).is_file():
+            os.replace(directory / tmp, directory / target)
+    for name in removals:
+        (directory / name).unlink(missing_ok=True)
+    _fsync_dir(directory)
+    journal.unlink()
+    return True
+
+
+def recover(directory: str | os.PathLike) -> bool:
+    """Finish a save that was killed (SIGKILL, power loss) after its commit point: the
+    journal names the staged files still to rename and the old files still to delete, so
+    the folder then holds the new checkpoint whole. Returns whether there was one. The
+    loader calls it (as SQLite's readers roll back a hot journal), so that it never reads a
+    mix of two saves; it needs write access only when there is something to finish."""
+    directory = Path(directory)
+    if not (directory / JOURNAL).is_file():
+        return False
+    try:
+        lock = _DirectoryLock(directory)
+        try:
+            done = _apply_journal(directory)  # False: the save we waited for finished it
+        finally:
+            lock.release()
+    except OSError as exc:
+        raise CheckpointError(
+            f"{directory} holds a save that was interrupted after it committed ({JOURNAL}), and finishing it "
+            f"failed ({exc}). Run the load again with write access to the folder, or save the model again"
+        ) from None
+    if done:
+        log.warning("%s: finished a save that was interrupted after it committed", directory)
+    return done
+
+
+def _remove_temporaries(directory: Path) -> list[str]:
+    """Delete what killed saves left: call with the directory's lock held."""
+    removed = []
+    for entry in os.scandir(directory):
+        if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+            removed.append(entry.name)
+    if removed:
+        log.info("%s: removed %d temporaries of an interrupted save", directory, len(removed))
+    return removed
+
+
 class StagedWrite:
-    """Write several files into `directory` as one unit: each is first written to a hidden
-    temporary name beside its target (`.{name}.XXXX.tmp`), flushed to disk, and only when
-    every one is complete are they renamed into place, in the order they were staged (so
-    shards land before the index that names them). If anything fails before that, the
-    temporaries are deleted and the files in the directory are exactly as they were. Use
-    as a context manager: leaving the block normally commits."""
+    """Write several files into `directory` as one unit, all or nothing.
+
+    Each file is written to a hidden temporary beside its target (`.{name}.XXXXXXXX.tmp`)
+    and flushed to disk. Leaving the block normally commits: a journal naming every rename
+    and deletion is renamed into place (the commit point), then the staged files are renamed
+    over their targets (shards before the index that names them, config last), the files
+    scheduled with `remove` are deleted, and the journal goes. Signals are deferred during
+    the commit, and a save killed after the commit point is finished by the next save or
+    load (`recover`), so the folder never holds a mix of two saves. Before the commit point,
+    failure deletes the temporaries and leaves the folder as it was.
+
+    The directory is locked (`flock`) from construction to the end, so concurrent saves into
+    one folder take turns; temporaries left by a killed save are deleted on entry."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._staged: dict[Path, Path] = {}  # target -> temporary
+        self._remove: list[str] = []
         self.committed: list[Path] = []
+        self._lock: _DirectoryLock | None = _DirectoryLock(self.directory)
+        try:
+            if _apply_journal(self.directory):
+                log.warning("%s: finished a save that was interrupted after it committed", self.directory)
+            _remove_temporaries(self.directory)
+        except BaseException:
+            self.close()
+            raise
 
     def path(self, name: str) -> Path:
         """A fresh temporary path to write the file `name` to."""
@@ -508,19 +789,41 @@ class StagedWrite:
     def copy(self, name: str, source: str | os.PathLike) -> None:
         shutil.copyfile(source, self.path(name))
 
+    def remove(self, name: str) -> None:
+        """Delete `name` from the directory as part of the commit (a file of the previous
+        save that the new one does not replace)."""
+        if not _removable(name):
+            raise ValueError(f"{name} is not a weights or tokenizer file; a save does not delete it")
+        if (self.directory / name) not in self._staged and name not in self._remove:
+            self._remove.append(name)
+
     def commit(self) -> list[Path]:
         mode = _default_file_mode()
         for tmp in self._staged.values():
             _fsync(tmp)
             os.chmod(tmp, mode)
-        for target, tmp in self._staged.items():
-            os.replace(tmp, target)
-            self.committed.append(target)
-        self._staged.clear()
+        # Config last: a reader that sees the new config sees the new weights.
+        order = sorted(self._staged.items(), key=lambda item: item[0].name == CONFIG_NAME)
+        plan = {
+            "rename": [[tmp.name, target.name] for target, tmp in order],
+            "remove": [n for n in self._remove if (self.directory / n).exists()],
+        }
+        fd, journal_tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{JOURNAL}.", suffix=".tmp")
         try:
-            _fsync(self.directory)  # make the renames durable too
-        except OSError:  # some filesystems cannot fsync a directory
-            pass
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(plan, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with _signals_deferred():
+                os.replace(journal_tmp, self.directory / JOURNAL)  # the commit point
+                # From here the temporaries belong to the journal: a failure below leaves them
+                # for `recover` to rename, never for `discard` to delete.
+                self.committed = [target for target, _ in order]
+                self._staged.clear()
+                _fsync_dir(self.directory)
+                _apply_journal(self.directory)
+        finally:
+            Path(journal_tmp).unlink(missing_ok=True)
         return self.committed
 
     def discard(self) -> None:
@@ -528,17 +831,25 @@ class StagedWrite:
             tmp.unlink(missing_ok=True)
         self._staged.clear()
 
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def __enter__(self) -> StagedWrite:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            finally:
+        try:
+            if exc_type is None:
+                try:
+                    self.commit()
+                finally:
+                    self.discard()
+            else:
                 self.discard()
-        else:
-            self.discard()
+        finally:
+            self.close()
 
 
 @contextmanager
@@ -594,9 +905,7 @@ def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def stage_weights(
-    stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB"
-) -> list[str]:
+def stage_weights(stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB") -> list[str]:
     """Stage `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus
     `model.safetensors.index.json` when the weights exceed `max_shard_size` (HF's names and
     index format). Returns the file names staged, the index last."""
@@ -607,7 +916,10 @@ def stage_weights(
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
         save_file(shards[0], str(stage.path(SAFE_WEIGHTS)), metadata=metadata)
-        return [SAFE_WEIGHTS]
+        names = [SAFE_WEIGHTS]
+        for stale in stale_weights(stage.directory, names):
+            stage.remove(stale)
+        return names
     names, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -617,42 +929,37 @@ def stage_weights(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     stage.text(SAFE_INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return names + [SAFE_INDEX]
+    names.append(SAFE_INDEX)
+    for stale in stale_weights(stage.directory, names):
+        stage.remove(stale)
+    return names
 
 
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-def remove_stale_weights(directory: Path, keep: Iterable[str]) -> list[Path]:
-    """After a save, delete the safetensors files of an earlier save in the other layout:
-    the loaders (ours and transformers') prefer `model.safetensors` over an index, so a
-    stale one would shadow the new shards, and stale shards would only waste space.
-    PyTorch `.bin` files are left alone (they may be the user's original, with heads the
-    new save dropped); safetensors takes precedence over them on load."""
+def stale_weights(directory: Path, keep: Iterable[str]) -> list[str]:
+    """The safetensors files of an earlier save in the other layout, which a save of `keep`
+    must delete: the loaders (ours and transformers') prefer `model.safetensors` over an
+    index, so a stale one would shadow the new shards, and stale shards would only waste
+    space. PyTorch `.bin` files are left alone (they may be the user's original, with heads
+    the new save dropped); safetensors takes precedence over them on load."""
     keep = set(keep)
-    removed = []
-    for path in sorted(directory.iterdir()):
-        name = path.name
-        if name in keep or not path.is_file():
-            continue
-        if name in (SAFE_WEIGHTS, SAFE_INDEX) or _SHARD_NAME.fullmatch(name):
-            path.unlink()
-            removed.append(path)
-    leftovers = [n for n in (PT_WEIGHTS, PT_INDEX) if (directory / n).is_file()]
+    stale = [
+        entry.name for entry in os.scandir(directory)
+        if entry.name not in keep and entry.is_file() and _removable(entry.name) and entry.name not in TOKENIZER_FILES
+    ]  # fmt: skip
+    leftovers = [n for n in (PT_WEIGHTS, PT_INDEX) if (Path(directory) / n).is_file()]
     if leftovers:
         log.warning("%s still holds %s from an earlier save; the new safetensors files take precedence on load",
                     directory, ", ".join(leftovers))  # fmt: skip
-    return removed
+    return sorted(stale)
 
 
 def write_weights(state_dict: Mapping[str, Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write `model.safetensors`, or shards plus `model.safetensors.index.json` when the
-    weights exceed `max_shard_size`, as one staged write (see `StagedWrite`); then remove
-    stale safetensors files of a previous save in the other layout."""
+    weights exceed `max_shard_size`, as one staged write (see `StagedWrite`) that also
+    deletes stale safetensors files of a previous save in the other layout."""
     directory = Path(directory)
     with StagedWrite(directory) as stage:
         names = stage_weights(stage, state_dict, max_shard_size)
-    remove_stale_weights(directory, names)
     return [directory / n for n in names]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,11 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "varlen")
 
 # Fields every BERT config.json must carry; the rest fall back to HF's defaults.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool (JSON's Infinity and NaN parse as floats)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class ConfigError(ValueError):
@@ -92,32 +98,46 @@ class BertConfig:
                 f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        # JSON has true/false and numbers: a string "false" or a boolean where a number goes is
+        # a broken config, not something to coerce ("false" is truthy, True == 1).
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-                problems.append(f"{name} must be in [0, 1), got {value!r}")
-        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
-            problems.append(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            problems.append(
-                f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}"
-            )
-        if self.position_embedding_type != "absolute":
+            if value is not None and not (_is_number(value) and 0.0 <= value < 1.0):
+                problems.append(f"{name} must be a number in [0, 1), got {value!r}")
+        if not (_is_number(self.layer_norm_eps) and self.layer_norm_eps > 0):
+            problems.append(f"layer_norm_eps must be a positive finite number, got {self.layer_norm_eps!r}")
+        if not (_is_number(self.initializer_range) and self.initializer_range >= 0):
+            problems.append(f"initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
+        for name in ("is_decoder", "add_cross_attention", "unpad_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("hidden_act", "position_embedding_type", "attn_implementation"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.problem_type is not None and not isinstance(self.problem_type, str):
+            problems.append(f"problem_type must be a string or null, got {self.problem_type!r}")
+        if self.pad_token_id is not None and (
+            isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int)
+        ):
+            problems.append(f"pad_token_id must be an integer or null, got {self.pad_token_id!r}")
+        if isinstance(self.hidden_act, str) and self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            problems.append(f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}")
+        if isinstance(self.position_embedding_type, str) and self.position_embedding_type != "absolute":
             problems.append(
                 f"position_embedding_type {self.position_embedding_type!r} is not supported "
                 "(transformers 5 BERT supports only 'absolute')"
             )
-        if self.add_cross_attention:
+        if self.add_cross_attention is True:
             problems.append(
                 "add_cross_attention=True is not supported: this port implements the BERT encoder and "
                 "causal decoder without cross-attention or KV cache"
             )
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        if isinstance(self.attn_implementation, str) and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             problems.append(
                 f"attn_implementation {self.attn_implementation!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}"
             )
         pad = self.pad_token_id
-        if pad is not None and isinstance(self.vocab_size, int) and not (0 <= pad < self.vocab_size):
+        if isinstance(pad, int) and isinstance(self.vocab_size, int) and not (0 <= pad < self.vocab_size):
             problems.append(f"pad_token_id {pad} is outside the vocabulary [0, {self.vocab_size})")
         if problems:
             raise ConfigError("Invalid BERT config:\n  - " + "\n  - ".join(problems))
@@ -196,6 +216,10 @@ class BertConfig:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"no config file at {path}; a checkpoint directory needs a config.json") from None
+        except OSError as exc:  # permissions, a directory named config.json, an I/O error
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; check that you may read it") from None
+        except RecursionError:  # JSON nested thousands deep
+            raise ConfigError(f"{path} is nested too deeply to be a config; restore it from the original") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint") from None
         try:

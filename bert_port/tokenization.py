@@ -16,24 +16,47 @@ import torch
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
+from .checkpoint import CheckpointError
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
+class TokenizerError(CheckpointError, ValueError):
+    """Tokenizer files that are missing, unreadable or corrupt. A `CheckpointError`, and a
+    `ValueError` so that callers catching that (as `bert-port-parity` does) still do."""
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """A `tokenizers.Tokenizer` for the checkpoint in `directory`."""
+    """A `tokenizers.Tokenizer` for the checkpoint in `directory`. Raises `TokenizerError`
+    when the folder has no tokenizer files or they cannot be read or parsed."""
     directory = Path(directory)
-    settings = {}
-    if (directory / "tokenizer_config.json").is_file():
-        settings = json.loads((directory / "tokenizer_config.json").read_text())
-    if (directory / "tokenizer.json").is_file():
-        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    elif (directory / "vocab.txt").is_file():
-        tok = _wordpiece_from_vocab(directory / "vocab.txt", settings)
-    else:
-        raise FileNotFoundError(
-            f"{directory} has neither tokenizer.json nor vocab.txt; copy the tokenizer files of the "
-            "checkpoint into it"
-        )
+    settings: dict = {}
+    current = directory / "tokenizer_config.json"
+    try:
+        if current.is_file():
+            settings = json.loads(current.read_text(encoding="utf-8"))
+            if not isinstance(settings, dict):
+                raise ValueError(f"a JSON object is expected, got {type(settings).__name__}")
+        current = directory / "tokenizer.json"
+        if current.is_file():
+            tok = Tokenizer.from_file(str(current))
+        elif (directory / "vocab.txt").is_file():
+            current = directory / "vocab.txt"
+            tok = _wordpiece_from_vocab(current, settings)
+        else:
+            raise TokenizerError(
+                f"{directory} has neither tokenizer.json nor vocab.txt; copy the tokenizer files of the "
+                "checkpoint into it"
+            )
+    except TokenizerError:
+        raise
+    except OSError as exc:
+        raise TokenizerError(f"cannot read {current}: {exc.strerror or exc}; check that you may read it") from None
+    except Exception as exc:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a corrupt file
+        raise TokenizerError(
+            f"{current} is not a valid tokenizer file ({type(exc).__name__}: {str(exc)[:300]}); copy the tokenizer "
+            "files of the checkpoint again"
+        ) from None
     tok.no_padding()
     tok.no_truncation()
     return tok
@@ -45,6 +68,10 @@ def _wordpiece_from_vocab(vocab_file: Path, settings: dict) -> Tokenizer:
         for index, line in enumerate(f):
             vocab[line.rstrip("\n")] = index
     unk = settings.get("unk_token", "[UNK]")
+    cls, sep = settings.get("cls_token", "[CLS]"), settings.get("sep_token", "[SEP]")
+    absent = [t for t in (unk, cls, sep) if not isinstance(t, str) or t not in vocab]
+    if absent:
+        raise ValueError(f"the special tokens {absent} are not in the vocabulary")
     tok = Tokenizer(WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(
         clean_text=True,
@@ -53,7 +80,6 @@ def _wordpiece_from_vocab(vocab_file: Path, settings: dict) -> Tokenizer:
         lowercase=settings.get("do_lower_case", True),
     )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    cls, sep = settings.get("cls_token", "[CLS]"), settings.get("sep_token", "[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls}:0 $A:0 {sep}:0",
         pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
@@ -82,7 +108,10 @@ def encode(
     finally:
         tokenizer.no_truncation()
     T = max(pad_to or 0, max(len(e.ids) for e in encodings))
-    out = {name: torch.zeros(len(encodings), T, dtype=torch.long) for name in ("input_ids", "token_type_ids", "attention_mask")}
+    out = {
+        name: torch.zeros(len(encodings), T, dtype=torch.long)
+        for name in ("input_ids", "token_type_ids", "attention_mask")
+    }
     out["input_ids"].fill_(pad_id)
     for i, e in enumerate(encodings):
         n = len(e.ids)

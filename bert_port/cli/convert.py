@@ -8,7 +8,8 @@ pretraining heads, sentence-transformers) becomes HF `BertModel` names in `model
 report says what was renamed, what was dropped, and that DST reads back bit for bit.
 
 Exit status: 0 converted and verified; 1 the written files did not read back identically;
-2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint).
+2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint)
+or DST cannot be written (permissions, disk full; its previous files are left intact).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Loader arguments this command has a flag for: a library error that suggests one of them
 # is printed naming the flag (see CheckpointError.for_command_line).
-FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file"}
+FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file", "revision": "--revision"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,6 +98,7 @@ def convert(args: argparse.Namespace) -> int:
 
     config = BertConfig.from_json_file(files.config_file)
     state = ckpt.read_weights(files.weights_file)
+    ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
     cls, init_kwargs = _model_class(state)
     with torch.device("meta"):
         model = cls(config, **init_kwargs)
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return convert(args)
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # DST not writable, disk full, ...: the previous files in DST are intact
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
