@@ -5,6 +5,8 @@ gradients and dropout. No timing here: see scripts/benchmark.py."""
 
 from __future__ import annotations
 
+import os
+
 import copy
 
 import pytest
@@ -252,6 +254,11 @@ def test_training_dropout_is_applied(tiny_config):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
+    reason="inductor's C++ code generation fails under ATen's generic kernels ('at::vec' undeclared): "
+    "a torch limitation, not a parity question",
+)
 def test_compiled_layers_match_eager(tiny_config):
     """Each `BertLayer` under torch.compile, packing outside (what `bench --compile` times)."""
     pytest.importorskip("torch._inductor")
