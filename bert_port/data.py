@@ -168,7 +168,7 @@ def _read_delimited(path: Path, text: str, delimiter: str) -> tuple[list[dict], 
             raise DataError(f"{path}, line {start}: a quoted field opened in the row starting on this line is never "
                             "closed (it would run to the end of the file); close the quote, or double quotes that "
                             'are part of the text ("")') from None  # fmt: skip
-        raise DataError(f"{path}, line {reader.line_num}: malformed {'CSV' if delimiter == ',' else 'TSV'} ({exc}); "
+        raise DataError(f"{path}, line {start}: malformed {'CSV' if delimiter == ',' else 'TSV'} ({exc}); "
                         'a field that holds quotes must be quoted as a whole, with inner quotes doubled ("")'
                         ) from None  # fmt: skip
     finally:
@@ -224,7 +224,7 @@ def load_texts(
         for value, line in zip(values, lines):
             if "\n" in value or "\r" in value:
                 # Almost always a quote left open in the file, not a real label.
-                raise DataError(f"{path}, line {line}: the label {value[:60]!r}... spans several lines; labels are "
+                raise DataError(f"{path}, line {line}: the label {value[:60]!r}{'...' if len(value) > 60 else ''} spans several lines; labels are "
                                 "one line each. Look for an unbalanced quote on or before that line")  # fmt: skip
         return values
 
