@@ -3,8 +3,9 @@
 One function, `finetune(cfg)`, runs the whole job: data, model, AdamW (no weight decay on
 biases and LayerNorm), linear warmup then linear decay (torch's `LinearLR` +
 `SequentialLR`), gradient clipping and accumulation, optional bf16 autocast, evaluation
-(loss, accuracy, macro-F1) after every epoch, the best checkpoint by a validation metric
-saved in HF format, `metrics.json`, a PNG of the curves, and resumable checkpoints.
+(loss, accuracy, macro-F1, per-class figures) after every epoch, the best checkpoint by a
+validation metric saved in HF format, `metrics.json`, a PNG of the curves, and resumable
+checkpoints.
 
 Batches. `batch_size` is the *global* batch of one optimiser step. It is split into
 `grad_accum_steps` micro-batches and across the processes of a torchrun job, so the same
@@ -22,6 +23,17 @@ it is written to a temporary file and renamed into place (`checkpoint.atomic_wri
 the end of every epoch, every `save_steps` steps, at `stop_after_steps`, and when the job
 is interrupted (Ctrl-C / SIGTERM stop after the current step). `resume=True` continues
 from it and gives the same weights as the uninterrupted run.
+
+Faults. Every setting is checked before any work (types too, for a config file; numbers
+finite and in range; `max_length` against the model's position table), and the data files
+are read in full before the model is built. A step whose gradient or loss is NaN or
+infinite stops the run with `DivergedError` before the optimiser takes it, and no weights
+are ever saved unless every tensor is finite. The output directory is locked for the run
+(an flock, which dies with its process), and the hidden temporaries a `kill -9` left there
+are deleted by the next run or `--resume`. Per-class figures and the confusion matrix are
+stored only up to `DETAIL_MAX_CLASSES` labels (the matrix for the best evaluation only);
+above that an evaluation keeps a fixed-size summary, and evaluation counts per class
+rather than filling a K x K matrix, so memory and files stay bounded for any K.
 
 The loop runs `bert_port.BertForSequenceClassification`, or with `reference="hf"`
 transformers' model of the same name (passed in by the command line, since this package

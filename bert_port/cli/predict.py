@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from bert_port.checkpoint import CheckpointError, atomic_write, locate_checkpoint
+    from bert_port.checkpoint import CheckpointError, locate_checkpoint
     from bert_port.classifier import BertForSequenceClassification
     from bert_port.config import BertConfig, ConfigError
     from bert_port.data import DataError, file_format, load_texts
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if not config.id2label:
             raise ConfigError(f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
                               "Pass the output directory of bert-port-finetune")  # fmt: skip
-        names = [config.id2label[i] for i in range(len(config.id2label))]
-        added = ["predicted_label", "probabilities"] + [f"prob_{n}" for n in names]
+        added = ["predicted_label", "probabilities"] + [f"prob_{n}" for n in config.id2label.values()]
         clash = sorted({k for r in dataset.records for k in r} & set(added))
         if clash:
             raise DataError(f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
@@ -87,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
         check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
         model = BertForSequenceClassification.from_pretrained(args.model)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FinetuneError(f"cannot create the folder of --output {out} ({exc.strerror}); choose another "
+                                "--output") from None  # fmt: skip
     except (DataError, CheckpointError, ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -94,23 +98,34 @@ def main(argv: list[str] | None = None) -> int:
     probs = predict(model, load_tokenizer(model.source_dir), dataset, args.batch_size, max_length, device, args.bf16)
     names = [model.config.id2label[i] for i in range(probs.shape[1])]
     predicted = probs.argmax(-1).tolist()
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(out) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:  # never half a file
-        if out_format == "jsonl":
-            for record, p, row in zip(dataset.records, predicted, probs.tolist()):
-                full = {**record, "predicted_label": names[p], "probabilities": dict(zip(names, row))}
-                f.write(json.dumps(full, ensure_ascii=False) + "\n")
-        else:
-            columns = list(dict.fromkeys(k for r in dataset.records for k in r))
-            columns += ["predicted_label"] + [f"prob_{n}" for n in names]
-            writer = csv.DictWriter(f, fieldnames=columns, delimiter="," if out_format == "csv" else "\t")
-            writer.writeheader()
-            for record, p, row in zip(dataset.records, predicted, probs.tolist()):
-                writer.writerow({**record, "predicted_label": names[p], **{f"prob_{n}": x for n, x in zip(names, row)}})
+    try:
+        _write_predictions(out, out_format, dataset.records, names, predicted, probs.tolist())
+    except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
+        print(f"error: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
     counts = {n: predicted.count(i) for i, n in enumerate(names)}
     print(f"wrote {len(predicted)} predictions to {out} ({', '.join(f'{n}: {c}' for n, c in counts.items())})")
     return 0
+
+
+def _write_predictions(out: Path, out_format: str, records: list[dict], names: list[str], predicted: list[int],
+                       probs: list[list[float]]) -> None:  # fmt: skip
+    """Every input column plus the prediction, written under a temporary name and renamed
+    into place: never half a file."""
+    from bert_port.checkpoint import atomic_write
+
+    with atomic_write(out) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
+        if out_format == "jsonl":
+            for record, p, row in zip(records, predicted, probs):
+                full = {**record, "predicted_label": names[p], "probabilities": dict(zip(names, row))}
+                f.write(json.dumps(full, ensure_ascii=False) + "\n")
+        else:
+            columns = list(dict.fromkeys(k for r in records for k in r))
+            columns += ["predicted_label"] + [f"prob_{n}" for n in names]
+            writer = csv.DictWriter(f, fieldnames=columns, delimiter="," if out_format == "csv" else "\t")
+            writer.writeheader()
+            for record, p, row in zip(records, predicted, probs):
+                writer.writerow({**record, "predicted_label": names[p], **{f"prob_{n}": x for n, x in zip(names, row)}})
 
 
 def _trained_max_length(model_dir: Path) -> int:
