@@ -844,9 +844,15 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
     check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
     splits = load_splits(cfg)
     names = splits.names
+    refusal = None
     if d.is_main:  # held to the end of the run; a killed run's lock goes with its process
-        stack.enter_context(_own_output_dir(out))
-    d.barrier()
+        try:
+            stack.enter_context(_own_output_dir(out))
+        except FinetuneError as exc:
+            refusal = str(exc)
+    refusal = d.gather(refusal)[0]  # every process learns rank 0's answer: none is left waiting in a collective
+    if refusal is not None:
+        raise FinetuneError(refusal)
     if cfg.overwrite and not cfg.resume and d.is_main:
         for name in (LAST_CHECKPOINT, METRICS_FILE):
             (out / name).unlink(missing_ok=True)
