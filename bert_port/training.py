@@ -1083,8 +1083,9 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
     return metrics
 
 
-_DIVERGED_ADVICE = ("lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again (--overwrite, "
-                    "or --resume from the last checkpoint with the same settings)")  # fmt: skip
+# Not --resume: it must keep the settings, so it would diverge again at the same step.
+_DIVERGED_ADVICE = ("lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
+                    "--overwrite or in another --output-dir")  # fmt: skip
 # `checkpoint.StagedWrite` (and `data.write_texts`) stage files as `.{name}.XXXXXXXX.tmp`.
 _TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
 

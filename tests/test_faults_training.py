@@ -416,6 +416,29 @@ def test_nan_loss_mid_run_stops_with_an_error_and_saves_nothing_from_it(tmp_path
     assert not temporaries(out)
 
 
+def test_weights_broken_by_the_last_step_of_an_epoch_are_never_saved(tmp_path, ckpt, data, capsys, monkeypatch):
+    """The loss of step 5 is finite, but its update leaves NaN weights (planted); the
+    evaluation that follows must not pick them as the best (an argmax of NaN) nor save them."""
+    from bert_port import training
+
+    real_step, steps = training.train_step, [0]
+
+    def step(model, *args, **kwargs):
+        result = real_step(model, *args, **kwargs)
+        steps[0] += 1
+        if steps[0] == 5:  # the last step of epoch 1
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(training, "train_step", step)
+    out = tmp_path / "out"
+    code = run_cli(*args_for(data, ckpt, out, "--save-steps", "4"))
+    assert_refused(code, capsys, "the validation loss after epoch 1 (step 5) is nan", "Nothing was saved")
+    assert load_last(out)["progress"]["global_step"] == 4
+    assert not (out / "model.safetensors").exists() and not (out / "metrics.json").exists()
+
+
 def test_a_learning_rate_that_blows_up_the_weights_is_caught(tmp_path, ckpt, data, capsys):
     """A finite but absurd lr with clipping off: AdamW moves every weight by ~1e30, the
     LayerNorm variance overflows, and the next loss is NaN. Before the fix such a run
