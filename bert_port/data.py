@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -93,15 +94,22 @@ def file_format(path: str | os.PathLike) -> str:
 
 def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
     """Rows of a CSV (header row), TSV (header row) or JSONL file as dicts, with the line
-    number of each. Raises `DataError` for a missing, unreadable or empty file."""
+    number of each. Raises `DataError` for a missing, unreadable, empty or malformed file.
+
+    CSV/TSV are parsed strictly: an unterminated quote is an error rather than a field
+    that silently runs to the end of the file, and a field may be as long as the file."""
     path = Path(path)
     fmt = file_format(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a data file; pass the path of a .csv, .tsv or .jsonl file")
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; check the path given to --train/--validation/--test")
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate the BOM that spreadsheet exports add
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 ({exc}); re-save it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror}); check its permissions") from None
     records: list[dict] = []
     lines: list[int] = []
     if fmt == "jsonl":
@@ -115,15 +123,37 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}, line {lineno}: not valid JSON ({exc.msg}); a .jsonl file holds one "
                                 "JSON object per line") from None  # fmt: skip
+            except RecursionError:
+                raise DataError(f"{path}, line {lineno}: JSON nested too deeply to read") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
             records.append(obj)
             lines.append(lineno)
     else:
-        # newline="": the csv module does its own line handling (quoted fields may hold newlines).
-        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="," if fmt == "csv" else "\t")
+        records, lines = _read_delimited(path, text, "," if fmt == "csv" else "\t")
+    if not records:
+        raise DataError(f"{path} has no data rows; it needs at least one example below the header")
+    return records, lines
+
+
+def _read_delimited(path: Path, text: str, delimiter: str) -> tuple[list[dict], list[int]]:
+    # newline="": the csv module does its own line handling (quoted fields may hold newlines).
+    # strict=True: a quote left open is an error, not a field that swallows the rest of the file.
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    records: list[dict] = []
+    lines: list[int] = []
+    # The limit is process-wide (csv has no per-reader one); no field can be longer than the text.
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text) + 1))
+    start = 1  # the line the row being read starts on
+    try:
         if reader.fieldnames is None:
             raise DataError(f"{path} is empty; it needs a header row naming the columns and at least one data row")
+        repeated = sorted(name for name, n in Counter(reader.fieldnames).items() if n > 1)
+        if repeated:
+            raise DataError(f"{path}: the header names column(s) {', '.join(map(repr, repeated))} more than once; "
+                            "give every column its own name")  # fmt: skip
+        start = reader.line_num + 1
         for record in reader:
             if None in record:  # more fields than header names
                 raise DataError(
@@ -132,8 +162,17 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
                 )
             records.append(record)
             lines.append(reader.line_num)
-    if not records:
-        raise DataError(f"{path} has no data rows; it needs at least one example below the header")
+            start = reader.line_num + 1
+    except csv.Error as exc:
+        if "end of data" in str(exc):
+            raise DataError(f"{path}, line {start}: a quoted field opened in the row starting on this line is never "
+                            "closed (it would run to the end of the file); close the quote, or double quotes that "
+                            'are part of the text ("")') from None  # fmt: skip
+        raise DataError(f"{path}, line {start}: malformed {'CSV' if delimiter == ',' else 'TSV'} ({exc}); "
+                        'a field that holds quotes must be quoted as a whole, with inner quotes doubled ("")'
+                        ) from None  # fmt: skip
+    finally:
+        csv.field_size_limit(limit)
     return records, lines
 
 
@@ -163,11 +202,16 @@ def load_texts(
                             f"pass the right name with {flag}")  # fmt: skip
 
     def column(name: str, what: str) -> list[str]:
+        allowed, kinds = ((str, int), "a string or an integer") if what == "label" else ((str, int, float), "a string")
         values, bad = [], []
         for record, line in zip(records, lines):
             value = record.get(name)
             if value is None or (isinstance(value, str) and not value.strip()):
                 bad.append(line)
+            elif not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, allowed)):
+                # JSONL: 1.0 would become a label "1.0" distinct from "1", a list its repr.
+                raise DataError(f"{path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
+                                f"({type(value).__name__}); it must be {kinds}")  # fmt: skip
             values.append("" if value is None else str(value))
         if bad:
             raise DataError(f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
@@ -175,9 +219,18 @@ def load_texts(
                             "remove those rows")  # fmt: skip
         return values
 
+    def labels_of(name: str) -> list[str]:
+        values = column(name, "label")
+        for value, line in zip(values, lines):
+            if "\n" in value or "\r" in value:
+                # Almost always a quote left open in the file, not a real label.
+                raise DataError(f"{path}, line {line}: the label {value[:60]!r}{'...' if len(value) > 60 else ''} spans several lines; labels are "
+                                "one line each. Look for an unbalanced quote on or before that line")  # fmt: skip
+        return values
+
     return TextDataset(
         texts=column(text_column, "text"),
-        labels=column(label_column, "label") if label_column is not None else None,
+        labels=labels_of(label_column) if label_column is not None else None,
         pairs=column(text_pair_column, "text-pair") if text_pair_column is not None else None,
         source=str(path),
         rows=lines,
@@ -196,13 +249,23 @@ def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
         columns["label"] = dataset.labels
     rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        if fmt == "jsonl":
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        else:
-            writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
-            writer.writeheader()
-            writer.writerows(rows)
+    # Written beside the target under the hidden temporary name `checkpoint.StagedWrite`
+    # uses (so a killed run's leftovers are recognised and cleaned), then renamed into place.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with open(fd, "w", encoding="utf-8", newline="") as f:
+            if fmt == "jsonl":
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            else:
+                writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
+                writer.writeheader()
+                writer.writerows(rows)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; give it an ordinary file's mode
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return path
 
 

@@ -3,8 +3,9 @@
 One function, `finetune(cfg)`, runs the whole job: data, model, AdamW (no weight decay on
 biases and LayerNorm), linear warmup then linear decay (torch's `LinearLR` +
 `SequentialLR`), gradient clipping and accumulation, optional bf16 autocast, evaluation
-(loss, accuracy, macro-F1) after every epoch, the best checkpoint by a validation metric
-saved in HF format, `metrics.json`, a PNG of the curves, and resumable checkpoints.
+(loss, accuracy, macro-F1, per-class figures) after every epoch, the best checkpoint by a
+validation metric saved in HF format, `metrics.json`, a PNG of the curves, and resumable
+checkpoints.
 
 Batches. `batch_size` is the *global* batch of one optimiser step. It is split into
 `grad_accum_steps` micro-batches and across the processes of a torchrun job, so the same
@@ -23,6 +24,17 @@ the end of every epoch, every `save_steps` steps, at `stop_after_steps`, and whe
 is interrupted (Ctrl-C / SIGTERM stop after the current step). `resume=True` continues
 from it and gives the same weights as the uninterrupted run.
 
+Faults. Every setting is checked before any work (types too, for a config file; numbers
+finite and in range; `max_length` against the model's position table), and the data files
+are read in full before the model is built. A step whose gradient or loss is NaN or
+infinite stops the run with `DivergedError` before the optimiser takes it, and no weights
+are ever saved unless every tensor is finite. The output directory is locked for the run
+(an flock, which dies with its process), and the hidden temporaries a `kill -9` left there
+are deleted by the next run or `--resume`. Per-class figures and the confusion matrix are
+stored only up to `DETAIL_MAX_CLASSES` labels (the matrix for the best evaluation only);
+above that an evaluation keeps a fixed-size summary, and evaluation counts per class
+rather than filling a K x K matrix, so memory and files stay bounded for any K.
+
 The loop runs `bert_port.BertForSequenceClassification`, or with `reference="hf"`
 transformers' model of the same name (passed in by the command line, since this package
 never imports transformers), started from the very same weights.
@@ -37,6 +49,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -52,7 +65,9 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
+from .assets import minilm_dir
 from .classifier import BertForSequenceClassification, per_example_loss
+from .config import BertConfig
 from .data import (
     BUILTIN_DATASETS,
     Collator,
@@ -87,6 +102,10 @@ RESUME_MUST_MATCH = ("checkpoint", "reference", "dataset", "train", "validation"
 
 class FinetuneError(ValueError):
     """A configuration or run state that cannot be used; the message says what to do."""
+
+
+class DivergedError(FinetuneError):
+    """The loss or the gradient became NaN or infinite: nothing is saved from such a step."""
 
 
 @dataclass
@@ -135,7 +154,54 @@ class FinetuneConfig:
     compare_to: str | None = None  # another run's output dir: report the loss-curve difference
 
     def validate(self) -> None:
+        """Refuse settings that mean nothing before any work is done (a config file can hold
+        any JSON type, so types are checked too). Every problem is listed at once."""
         problems = []
+
+        def bad(name: str, want: str) -> None:
+            value = getattr(self, name)
+            problems.append(f"--{name.replace('_', '-')} must be {want}, got {value!r}")
+
+        for name in ("reference", "attn_implementation", "text_column", "label_column", "metric_for_best",
+                     "output_dir", "device"):  # fmt: skip
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                bad(name, "a non-empty string")
+        for name in ("checkpoint", "dataset", "train", "validation", "test", "text_pair_column", "compare_to"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, "a non-empty string")
+        for name in ("bf16", "freeze_encoder", "overwrite", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
+        for name in ("epochs", "batch_size", "grad_accum_steps", "eval_batch_size", "max_length"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, "a positive integer")
+        for name in ("max_steps", "max_train_examples", "save_steps", "stop_after_steps"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                bad(name, "a positive integer")
+        if self.warmup_steps is not None and (not _is_int(self.warmup_steps) or self.warmup_steps < 0):
+            bad("warmup_steps", "an integer >= 0")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            bad("seed", "an integer in [0, 2**63)")
+        # Floats: finite, in range. `not lo < x` also catches NaN, which compares false.
+        for name, lo, hi, closed, want in (
+            ("lr", 0.0, math.inf, False, "a finite number > 0 (e.g. 5e-5)"),
+            ("adam_eps", 0.0, math.inf, False, "a finite number > 0 (e.g. 1e-8)"),
+            ("weight_decay", 0.0, math.inf, True, "a finite number >= 0"),
+            ("max_grad_norm", 0.0, math.inf, True, "a finite number >= 0 (0 turns clipping off)"),
+            ("adam_beta1", 0.0, 1.0, True, "in [0, 1)"),
+            ("adam_beta2", 0.0, 1.0, True, "in [0, 1)"),
+            ("warmup_ratio", 0.0, 1.0, True, "in [0, 1)"),
+            ("validation_split", 0.0, 1.0, False, "strictly between 0 and 1"),
+            ("classifier_dropout", 0.0, 1.0, True, "in [0, 1)"),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if name == "classifier_dropout" and value is None:
+                continue
+            if not _is_number(value) or not math.isfinite(value) or not (lo <= value if closed else lo < value) \
+                    or not value < hi:  # fmt: skip
+                bad(name, want)
         if self.reference not in ("port", "hf"):
             problems.append(f"reference must be 'port' or 'hf', got {self.reference!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -148,23 +214,43 @@ class FinetuneConfig:
             problems.append("no training data: pass --train FILE (CSV, TSV or JSONL) or --dataset mr|sms")
         if self.metric_for_best not in METRICS:
             problems.append(f"metric_for_best must be one of {', '.join(METRICS)}, got {self.metric_for_best!r}")
-        for name in ("epochs", "batch_size", "grad_accum_steps", "eval_batch_size", "max_length"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_steps", "max_train_examples", "save_steps", "stop_after_steps"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                problems.append(f"{name} must be a positive integer, got {value!r}")
-        if not self.lr > 0:
-            problems.append(f"lr must be positive, got {self.lr}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            problems.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
-            problems.append(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
+        columns = [c for c in (self.text_column, self.text_pair_column, self.label_column) if c is not None]
+        if len(set(columns)) < len(columns):
+            problems.append(f"--text-column, --text-pair-column and --label-column must name different columns, "
+                            f"got {columns}")  # fmt: skip
+        if isinstance(self.device, str) and not _DEVICE.fullmatch(self.device):
+            problems.append(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if _is_int(self.max_length) and self.max_length >= 1:
+            try:
+                check_max_length(self.max_length, None, pairs=self.text_pair_column is not None)
+            except FinetuneError as exc:
+                problems.append(str(exc))
         if problems:
             raise FinetuneError("invalid fine-tuning configuration:\n  - " + "\n  - ".join(problems))
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_max_length(max_length: int, max_positions: int | None, pairs: bool = False, flag: str = "--max-length"):
+    """`max_length` must leave room for text beside [CLS]/[SEP] (below that the tokenizer
+    silently stops truncating) and fit the model's position table (beyond it the first long
+    batch fails mid-run)."""
+    least = 5 if pairs else 3  # [CLS] a [SEP] (b [SEP])
+    if max_length < least:
+        raise FinetuneError(f"{flag} {max_length} leaves no room for text beside [CLS] and [SEP]; use at least "
+                            f"{least}{' with a text pair' if pairs else ''} (typically 128)")  # fmt: skip
+    if max_positions is not None and max_length > max_positions:
+        raise FinetuneError(f"{flag} {max_length} exceeds the model's max_position_embeddings ({max_positions}): "
+                            f"sequences that long cannot be encoded; use {flag} {max_positions} or less")  # fmt: skip
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -175,8 +261,10 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FinetuneError(f"no configuration file at {path}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FinetuneError(f"{path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise FinetuneError(f"cannot read the configuration file {path} ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise FinetuneError(f"{path} must hold a JSON object of settings")
     known = {f.name for f in dataclasses.fields(FinetuneConfig)}
@@ -239,6 +327,9 @@ def setup_distributed(device: str = "auto") -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         index = int(device.split(":")[1]) if ":" in device else local_rank
+        if index >= torch.cuda.device_count():
+            raise FinetuneError(f"device cuda:{index} asked for, but this machine has {torch.cuda.device_count()} "
+                                "CUDA device(s); pick one of them with --device cuda:N")  # fmt: skip
         torch_device = torch.device("cuda", index)
         torch.cuda.set_device(torch_device)
     else:
@@ -363,6 +454,13 @@ def train_step(
     grad_norm = None
     if max_grad_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        norm = grad_norm
+    else:
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    # DDP has averaged the gradients by now, so every process sees the same norm and stops together.
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise DivergedError(f"the gradient norm is {norm}")
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -370,30 +468,53 @@ def train_step(
     return loss_sum, grad_norm
 
 
-def metrics_from_confusion(confusion: Tensor, loss_sum: float, names: list[str]) -> dict[str, Any]:
-    """Accuracy, macro-F1 and per-class precision/recall/F1 from a confusion matrix
-    (rows: true label, columns: prediction). Macro-F1 averages over the classes that occur
-    as a true label or a prediction (scikit-learn's default)."""
-    confusion = confusion.double().cpu()
-    total = float(confusion.sum())
-    tp = confusion.diag()
-    predicted, actual = confusion.sum(0), confusion.sum(1)
+# Per-class figures and the confusion matrix are stored only up to this many labels; above
+# it an evaluation keeps a fixed-size summary, so metrics.json and the training state stay
+# bounded however many classes there are (10,000 classes: 800 MB per confusion matrix).
+DETAIL_MAX_CLASSES = 50
+WORST_CLASSES = 10  # listed in the summary of a many-class evaluation
+
+
+def metrics_from_counts(
+    tp: Tensor, predicted: Tensor, actual: Tensor, loss_sum: float, names: list[str], confusion: Tensor | None = None
+) -> dict[str, Any]:
+    """Accuracy, macro-F1 and per-class precision/recall/F1 from per-class counts (K,):
+    true positives, predictions and true labels. Macro-F1 averages over the classes that
+    occur as a true label or a prediction (scikit-learn's default). Up to
+    `DETAIL_MAX_CLASSES` classes the result holds `per_class` and the `confusion` matrix
+    (rows: true label, columns: prediction) if given; above it `per_class_summary`."""
+    tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
+    total = float(actual.sum())
     precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
     recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
     f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
     present = (predicted + actual) > 0
-    return {
+    result: dict[str, Any] = {
         "loss": loss_sum / total,
         "accuracy": float(tp.sum()) / total,
         "macro_f1": float(f1[present].mean()) if bool(present.any()) else 0.0,
         "n": int(total),
-        "per_class": {
+    }
+    if len(names) <= DETAIL_MAX_CLASSES:
+        result["per_class"] = {
             name: {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
                    "support": int(actual[i])}
             for i, name in enumerate(names)
-        },  # fmt: skip
-        "confusion": confusion.long().tolist(),
-    }
+        }  # fmt: skip
+        if confusion is not None:
+            result["confusion"] = confusion.long().cpu().tolist()
+    else:
+        supported = (actual > 0).nonzero().flatten()
+        worst = supported[f1[supported].argsort(stable=True)[:WORST_CLASSES]].tolist()
+        q = f1[present].quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=f1.dtype)).tolist() \
+            if bool(present.any()) else [0.0] * 5  # fmt: skip
+        result["per_class_summary"] = {
+            "classes": len(names),
+            "classes_present": int(present.sum()),
+            "f1_quantiles": dict(zip(("min", "p25", "median", "p75", "max"), q)),
+            "worst_f1": [{"label": names[i], "f1": float(f1[i]), "support": int(actual[i])} for i in worst],
+        }
+    return result
 
 
 @torch.no_grad()
@@ -412,7 +533,10 @@ def evaluate(
     model.eval()
     device = dist_info.device
     order = length_sorted(collate.dataset)[dist_info.rank :: dist_info.world_size]
-    confusion = torch.zeros(len(names), len(names), dtype=torch.float64, device=device)
+    K = len(names)
+    # Counts, not a K x K matrix (unless K is small enough to store it): memory O(K).
+    counts = torch.zeros(3, K, dtype=torch.float64, device=device)  # true positives, predicted, actual
+    confusion = torch.zeros(K * K if K <= DETAIL_MAX_CLASSES else 0, dtype=torch.float64, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     batches = list(chunks(order, batch_size))
     for indices in tqdm(batches, desc=desc, leave=False, disable=not dist_info.is_main, dynamic_ncols=True):
@@ -421,12 +545,15 @@ def evaluate(
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
             logits = model(**inputs).logits.float()
         loss_sum += per_example_loss(logits, batch["labels"], PROBLEM_TYPE).sum().double()
-        ones = torch.ones(len(indices), dtype=torch.float64, device=device)
-        confusion.index_put_((batch["labels"], logits.argmax(-1)), ones, accumulate=True)
-    confusion = dist_info.sum(confusion)
-    loss_sum = dist_info.sum(loss_sum)
+        labels, guess = batch["labels"], logits.argmax(-1)
+        counts[0] += torch.bincount(labels[labels == guess], minlength=K).double()
+        counts[1] += torch.bincount(guess, minlength=K).double()
+        counts[2] += torch.bincount(labels, minlength=K).double()
+        if confusion.numel():
+            confusion += torch.bincount(labels * K + guess, minlength=K * K).double()
+    counts, confusion, loss_sum = dist_info.sum(counts), dist_info.sum(confusion), dist_info.sum(loss_sum)
     model.train(was_training)
-    return metrics_from_confusion(confusion, float(loss_sum), names)
+    return metrics_from_counts(*counts, float(loss_sum), names, confusion.view(K, K) if confusion.numel() else None)
 
 
 @torch.no_grad()
@@ -435,10 +562,13 @@ def predict(
     device: str | torch.device = "cpu", bf16: bool = False,
 ) -> Tensor:  # fmt: skip
     """Class probabilities (N, num_labels) for every text of `dataset`, in its order."""
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_max_length(max_length, model.config.max_position_embeddings, pairs=dataset.pairs is not None)
     device = torch.device(device)
     model.eval()
     collate = Collator(tokenizer, dataset, max_length)
-    probs = torch.empty(len(dataset), model.config.num_labels)
+    probs = torch.full((len(dataset), model.config.num_labels), math.nan)  # NaN until written: a gap shows
     for indices in tqdm(list(chunks(length_sorted(dataset), batch_size)), desc="predict", dynamic_ncols=True):
         batch = {k: v.to(device) for k, v in collate(indices).items() if k != "index"}
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -488,7 +618,6 @@ def build_model(cfg: FinetuneConfig, names: list[str], hf_module=None) -> tuple[
     """The classifier to train, in train mode, and the directory of its tokenizer. The head
     is initialised from the seeded RNG. With `hf_module` (the `transformers` module) the
     reference model is built and given exactly the port model's initial weights."""
-    from .assets import minilm_dir
 
     overrides: dict[str, Any] = {
         "id2label": dict(enumerate(names)),
@@ -688,23 +817,42 @@ def finetune(cfg: FinetuneConfig, hf_module=None) -> dict[str, Any]:
         raise FinetuneError("reference='hf' needs the transformers module: run it through `bert-port-finetune`")
     dist_info = setup_distributed(cfg.device)
     try:
-        return _finetune(cfg, dist_info, hf_module if cfg.reference == "hf" else None)
+        with contextlib.ExitStack() as stack:
+            return _finetune(cfg, dist_info, hf_module if cfg.reference == "hf" else None, stack)
     finally:
         if dist_info.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
+def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitStack) -> dict[str, Any]:
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     last_path = out / LAST_CHECKPOINT
+    if out.exists() and not out.is_dir():
+        raise FinetuneError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
     if cfg.resume and not last_path.is_file():
-        raise FinetuneError(f"--resume: no {LAST_CHECKPOINT} in {out}; start the run without --resume")
+        raise FinetuneError(f"--resume: no {LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
+                            "or never ran there); start it again without --resume (with --overwrite if the "
+                            "directory holds a metrics.json)")  # fmt: skip
     if not cfg.resume and not cfg.overwrite and (last_path.is_file() or (out / METRICS_FILE).is_file()):
         raise FinetuneError(f"{out} already holds a fine-tuning run; pass --resume to continue it, --overwrite to "
                             "start it again, or choose another --output-dir")  # fmt: skip
+    if cfg.compare_to is not None and not Path(cfg.compare_to).is_dir():
+        raise FinetuneError(f"--compare-to {cfg.compare_to} is not a directory; pass the --output-dir of another "
+                            "run")  # fmt: skip
+    model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
+    check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
     splits = load_splits(cfg)
     names = splits.names
+    refusal = None
+    if d.is_main:  # held to the end of the run; a killed run's lock goes with its process
+        try:
+            stack.enter_context(_own_output_dir(out))
+        except FinetuneError as exc:
+            refusal = str(exc)
+    refusal = d.gather(refusal)[0]  # every process learns rank 0's answer: none is left waiting in a collective
+    if refusal is not None:
+        raise FinetuneError(refusal)
     if cfg.overwrite and not cfg.resume and d.is_main:
         for name in (LAST_CHECKPOINT, METRICS_FILE):
             (out / name).unlink(missing_ok=True)
@@ -750,7 +898,7 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
     history: dict[str, Any] = {"steps": [], "evaluations": [], "best": None, "train_time_s": 0.0, "examples": 0}
     epoch, step_in_epoch, global_step = 0, 0, 0
     if cfg.resume:
-        state = torch.load(last_path, map_location="cpu", weights_only=True)
+        state = _load_last(last_path)
         _check_resumable(state, cfg, names, last_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -777,6 +925,7 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                  d.device)  # fmt: skip
 
     def save_last(progress: dict[str, int]) -> None:
+        _check_finite_weights(model, f"step {global_step}")
         rngs = d.gather(rng_state())
         if d.is_main:
             _torch_save_atomic(
@@ -814,12 +963,17 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
 
     def run_evaluation() -> None:
         result = evaluate(model, val_collate, names, d, cfg.eval_batch_size, cfg.bf16, desc="validation")
+        if not math.isfinite(result["loss"]):  # accuracy would be the argmax of NaN: meaningless
+            raise DivergedError(f"the validation loss after epoch {epoch + 1} (step {global_step}) is "
+                                f"{result['loss']}: the weights are broken. Nothing was saved from them; "
+                                f"{_DIVERGED_ADVICE}")  # fmt: skip
         steps_this_epoch = [s["loss"] for s in history["steps"] if s["epoch"] == epoch + 1]
         record = {
             "epoch": epoch + 1,
             "step": global_step,
             "train_loss": sum(steps_this_epoch) / len(steps_this_epoch) if steps_this_epoch else None,
-            "validation": {k: v for k, v in result.items()},
+            # The confusion matrix is kept for the best evaluation only (below), not every one.
+            "validation": {k: v for k, v in result.items() if k != "confusion"},
         }
         history["evaluations"].append(record)
         value = result[cfg.metric_for_best]
@@ -827,6 +981,9 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
         better = best is None or (value < best["value"] if cfg.metric_for_best == "loss" else value > best["value"])
         if better:
             history["best"] = {"epoch": epoch + 1, "step": global_step, "metric": cfg.metric_for_best, "value": value}
+            if "confusion" in result:
+                history["best"]["confusion"] = result["confusion"]
+            _check_finite_weights(model, f"epoch {epoch + 1}")
             if d.is_main:
                 save_model(model, out, source_dir)
             d.barrier()
@@ -859,11 +1016,19 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
                     weights.append(((d.rank + local * d.world_size) < n_train).float().to(d.device))
                     batches.append({key: v.to(d.device) for key, v in train_collate(indices).items()})
                 lr = optimizer.param_groups[0]["lr"]
-                loss_sum, grad_norm = train_step(
-                    ddp_model, optimizer, scheduler, batches, weights, n_real,
-                    world_size=d.world_size, max_grad_norm=cfg.max_grad_norm, bf16=cfg.bf16,
-                )  # fmt: skip
+                try:
+                    loss_sum, grad_norm = train_step(
+                        ddp_model, optimizer, scheduler, batches, weights, n_real,
+                        world_size=d.world_size, max_grad_norm=cfg.max_grad_norm, bf16=cfg.bf16,
+                    )  # fmt: skip
+                except DivergedError as exc:
+                    raise DivergedError(f"step {global_step + 1} (epoch {epoch + 1}, lr {lr:.3g}) diverged: {exc}. "
+                                        f"The step was not taken and nothing was saved from it; "
+                                        f"{_DIVERGED_ADVICE}") from None  # fmt: skip
                 loss = float(d.sum(loss_sum)) / n_real
+                if not math.isfinite(loss):  # the same on every process: it was summed over them
+                    raise DivergedError(f"the training loss at step {global_step + 1} (epoch {epoch + 1}, lr "
+                                        f"{lr:.3g}) is {loss}; nothing was saved from it; {_DIVERGED_ADVICE}")  # fmt: skip
                 global_step += 1
                 step_in_epoch = k + 1
                 elapsed = time.perf_counter() - t0
@@ -902,12 +1067,13 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
             metrics["test"] = evaluate(best, test_collate, names, d, cfg.eval_batch_size, cfg.bf16, desc="test")
         if cfg.compare_to and d.is_main:
             other_path = Path(cfg.compare_to) / METRICS_FILE
-            if other_path.is_file():
-                other = json.loads(other_path.read_text())
+            try:
+                other = json.loads(other_path.read_text(encoding="utf-8"))
                 metrics["comparison"] = compare_runs(metrics, other)
                 plot_curves(metrics, out / "comparison_curves.png", other)
-            else:
-                log.warning("compare_to: no %s to compare with", other_path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # never lose a finished run over it
+                log.warning("compare_to: cannot compare with %s (%s: %s); the run itself is complete", other_path,
+                            type(exc).__name__, exc)  # fmt: skip
     metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)  # this invocation, data to test
     if d.is_main:
         write_json(metrics, out / METRICS_FILE)
@@ -917,8 +1083,68 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module) -> dict[str, Any]:
     return metrics
 
 
+# Not --resume: it must keep the settings, so it would diverge again at the same step.
+_DIVERGED_ADVICE = ("lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
+                    "--overwrite or in another --output-dir")  # fmt: skip
+# `checkpoint.StagedWrite` (and `data.write_texts`) stage files as `.{name}.XXXXXXXX.tmp`.
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
+
+
+@contextlib.contextmanager
+def _own_output_dir(out: Path):
+    """Create `out`, lock it for this run (a second run into it is refused), and delete the
+    temporaries a killed run left behind (`kill -9` cannot clean up after itself). The lock
+    is an flock on the directory: the kernel drops it when its process dies, so a killed
+    run never blocks the next."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY)
+    except OSError as exc:
+        raise FinetuneError(f"cannot create or open --output-dir {out} ({exc.strerror}); choose a directory you can "
+                            "write to") from None  # fmt: skip
+    try:
+        if not os.access(out, os.W_OK):
+            raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # not POSIX: no lock, and leftovers are cleaned all the same
+            pass
+        except OSError:
+            raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
+                                "choose another --output-dir") from None  # fmt: skip
+        removed = [p for folder in (out, out / "data") if folder.is_dir() for p in folder.iterdir()
+                   if p.is_file() and _TEMPORARY.fullmatch(p.name)]  # fmt: skip
+        size = sum(p.stat().st_size for p in removed)
+        for p in removed:
+            p.unlink(missing_ok=True)
+        if removed:
+            log.warning("removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", len(removed),
+                        size / 2**20, out)  # fmt: skip
+        yield out
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _load_last(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (torch raises many types for a damaged file)
+        raise FinetuneError(f"cannot read {path} ({type(exc).__name__}: {str(exc)[:200]}); it is damaged. Start "
+                            "the run again with --overwrite, or in another --output-dir") from None  # fmt: skip
+
+
+def _check_finite_weights(model: nn.Module, when: str) -> None:
+    """No checkpoint is ever written from NaN or infinite weights."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise DivergedError(f"{len(bad)} weight tensor(s) hold NaN or Inf at {when} (e.g. {', '.join(bad[:3])}); "
+                            f"nothing was saved from them; {_DIVERGED_ADVICE}")  # fmt: skip
+
+
 def _check_resumable(state: dict[str, Any], cfg: FinetuneConfig, names: list[str], path: Path) -> None:
-    if state.get("format") != 1:
+    if not isinstance(state, dict) or state.get("format") != 1:
         raise FinetuneError(f"{path} is not a checkpoint this version can resume from; start a new run")
     if state["labels"] != names:
         raise FinetuneError(f"{path} was trained with labels {state['labels']}, the data now gives {names}; resume "

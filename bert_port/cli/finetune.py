@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, FinetuneError, CheckpointError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine, not the input: a full disk, a vanished mount
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if rank == 0:
         print(report(metrics, time.perf_counter() - t0))
     return 0
