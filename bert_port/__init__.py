@@ -7,7 +7,7 @@ from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
 from .outputs import ModelOutput
 from .packing import Packing
-from .tokenization import encode, load_tokenizer
+from .tokenization import TokenizerError, encode, load_tokenizer
 from .utils import get_extended_attention_mask
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "ModelOutput",
     "Packing",
+    "TokenizerError",
     "encode",
     "get_extended_attention_mask",
     "load_tokenizer",

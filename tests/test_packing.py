@@ -5,9 +5,8 @@ gradients and dropout. No timing here: see scripts/benchmark.py."""
 
 from __future__ import annotations
 
-import os
-
 import copy
+import os
 
 import pytest
 import torch
