@@ -625,28 +625,56 @@ def _plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
-class _DirectoryLock:
+class DirectoryLock:
     """An exclusive `flock` on the directory itself (no lock file is left behind), so that
     two processes or threads saving into one folder take turns instead of deleting each
-    other's files. Filesystems without flock (some network mounts) save unlocked."""
+    other's files. Filesystems without flock (some network mounts) save unlocked.
 
-    def __init__(self, directory: Path):
-        self.fd: int | None = None
-        if fcntl is None:
-            return
-        self.fd = os.open(directory, os.O_RDONLY)
+    Re-entrant within a thread: a fine-tuning run holds its `--output-dir` for the whole run
+    and saves into it, and two `flock`s on one folder from one process would wait for each
+    other forever (each `open` is its own lock owner). So the process takes the `flock`
+    once per directory, other threads of the process wait on a `threading.RLock`, and the
+    `flock` is dropped when the outermost holder releases. `blocking=False` raises
+    `BlockingIOError` instead of waiting for another process."""
+
+    _held: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [RLock, fd or None, depth]
+    _mutex = threading.Lock()
+
+    def __init__(self, directory: str | os.PathLike, *, blocking: bool = True):
+        st = os.stat(directory)
+        self._key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        with self._mutex:
+            entry = self._held.setdefault(self._key, [threading.RLock(), None, 0])
+        if not entry[0].acquire(blocking=blocking):
+            self._key = None
+            raise BlockingIOError(f"{directory} is locked by another thread of this process")
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            log.debug("cannot lock %s (%s); saving without a lock", directory, exc)
+            if entry[2] == 0 and fcntl is not None:
+                fd = os.open(directory, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    os.close(fd)
+                    raise
+                except OSError as exc:
+                    log.debug("cannot lock %s (%s); saving without a lock", directory, exc)
+                entry[1] = fd
+            entry[2] += 1
         except BaseException:
-            self.release()
+            entry[0].release()
+            self._key = None
             raise
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor drops the lock
-            self.fd = None
+        if self._key is None:
+            return
+        entry = self._held[self._key]
+        entry[2] -= 1
+        if entry[2] == 0 and entry[1] is not None:
+            os.close(entry[1])  # closing the only descriptor drops the flock
+            entry[1] = None
+        entry[0].release()
+        self._key = None
 
 
 @contextmanager
@@ -716,7 +744,7 @@ def recover(directory: str | os.PathLike) -> bool:
     if not (directory / JOURNAL).is_file():
         return False
     try:
-        lock = _DirectoryLock(directory)
+        lock = DirectoryLock(directory)
         try:
             done = _apply_journal(directory)  # False: the save we waited for finished it
         finally:
@@ -764,7 +792,7 @@ class StagedWrite:
         self._staged: dict[Path, Path] = {}  # target -> temporary
         self._remove: list[str] = []
         self.committed: list[Path] = []
-        self._lock: _DirectoryLock | None = _DirectoryLock(self.directory)
+        self._lock: DirectoryLock | None = DirectoryLock(self.directory)
         try:
             if _apply_journal(self.directory):
                 log.warning("%s: finished a save that was interrupted after it committed", self.directory)

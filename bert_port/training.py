@@ -1102,18 +1102,17 @@ def _own_output_dir(out: Path):
     except OSError as exc:
         raise FinetuneError(f"cannot create or open --output-dir {out} ({exc.strerror}); choose a directory you can "
                             "write to") from None  # fmt: skip
+    os.close(fd)
+    if not os.access(out, os.W_OK):
+        raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
     try:
-        if not os.access(out, os.W_OK):
-            raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # not POSIX: no lock, and leftovers are cleaned all the same
-            pass
-        except OSError:
-            raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
-                                "choose another --output-dir") from None  # fmt: skip
+        # The same lock as checkpoint saves take, re-entrant, so this run's own saves into
+        # `out` nest inside it while another run (or a save from elsewhere) is refused.
+        lock = ckpt.DirectoryLock(out, blocking=False)
+    except BlockingIOError:
+        raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
+                            "choose another --output-dir") from None  # fmt: skip
+    try:
         removed = [p for folder in (out, out / "data") if folder.is_dir() for p in folder.iterdir()
                    if p.is_file() and _TEMPORARY.fullmatch(p.name)]  # fmt: skip
         size = sum(p.stat().st_size for p in removed)
@@ -1124,7 +1123,7 @@ def _own_output_dir(out: Path):
                         size / 2**20, out)  # fmt: skip
         yield out
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def _load_last(path: Path) -> dict[str, Any]:

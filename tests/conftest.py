@@ -73,6 +73,14 @@ def minilm_path() -> Path:
     return minilm_dir()
 
 
+@pytest.fixture(scope="module")
+def hf_reference(minilm_path):
+    """transformers' BertModel on the bundled real checkpoint, fp32: the parity reference."""
+    import transformers
+
+    return transformers.BertModel.from_pretrained(str(minilm_path), dtype=torch.float32).eval()
+
+
 def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **kwargs):
     """A randomly initialised transformers model for `config` (a config.json dict)."""
     import transformers

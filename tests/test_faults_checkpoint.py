@@ -648,3 +648,23 @@ def test_600_random_header_bit_flips_load_or_raise_checkpoint_error(tiny_dir):
         except CheckpointError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 500, outcomes
+
+
+def test_directory_lock_nests_in_a_process_and_excludes_others(tmp_path):
+    """A fine-tuning run holds its output folder's lock and saves into it: the nested save
+    must not wait for its own process (two flocks from one process would, forever), while
+    another process is still kept out until the outer holder lets go."""
+    probe = (
+        "import sys; from bert_port.checkpoint import DirectoryLock\n"
+        "try:\n    DirectoryLock(sys.argv[1], blocking=False)\nexcept BlockingIOError:\n    sys.exit(3)\n"
+    )
+    outer = ckpt.DirectoryLock(tmp_path, blocking=False)
+    try:
+        inner = ckpt.DirectoryLock(tmp_path)  # would hang without re-entrancy
+        inner.release()
+        with ckpt.StagedWrite(tmp_path) as stage:  # a save inside the held folder
+            stage.text("config.json", "{}")
+        assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)]).returncode == 3
+    finally:
+        outer.release()
+    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)]).returncode == 0

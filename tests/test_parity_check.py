@@ -26,13 +26,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def hf_reference(minilm_path):
-    import transformers
-
-    return transformers.BertModel.from_pretrained(str(minilm_path), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def small_batches(minilm_path):
     examples = [(t, None) for t in parity.DEFAULT_TEXTS[:6]] + list(parity.DEFAULT_PAIRS[:2])
     return parity.build_batches(load_tokenizer(minilm_path), examples, batch_size=8, max_length=24)

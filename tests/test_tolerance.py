@@ -21,13 +21,6 @@ MARGIN = 10
 
 
 @pytest.fixture(scope="module")
-def hf_reference(minilm_path):
-    import transformers
-
-    return transformers.BertModel.from_pretrained(str(minilm_path), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def batches(minilm_path):
     examples = [(t, None) for t in parity.DEFAULT_TEXTS[:8]] + list(parity.DEFAULT_PAIRS[:2])
     return parity.build_batches(load_tokenizer(minilm_path), examples, batch_size=8, max_length=32)
