@@ -63,6 +63,13 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return resolved
 
 
+def _resolve_device(device: str | torch.device | None) -> torch.device | None:
+    try:
+        return torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows ({exc})") from None
+
+
 def _check_finite_mode(mode: str) -> None:
     if mode not in CHECK_FINITE_MODES:
         raise ValueError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {mode!r}")
@@ -167,6 +174,7 @@ class BertPreTrainedModel(nn.Module):
         """
         _check_finite_mode(check_finite)
         dtype = resolve_dtype(dtype)
+        device = _resolve_device(device)  # before any file is read
         files = ckpt.locate_checkpoint(path, config_file, revision)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
         if config is None:
@@ -207,10 +215,7 @@ class BertPreTrainedModel(nn.Module):
         """
         _check_finite_mode(check_finite)
         dtype = resolve_dtype(dtype)
-        try:
-            device = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device {device!r} is not a device torch knows ({exc})") from None
+        device = _resolve_device(device)
         conversion = ckpt.hf_to_port(state_dict)
         incoming, sources = conversion.state_dict, conversion.sources
         if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay

@@ -456,7 +456,8 @@ def train_step(
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         norm = grad_norm
     else:
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        grads = [p.grad.detach().norm() for p in params if p.grad is not None]  # 2-norm of the norms, as clipping computes it
+        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
     # DDP has averaged the gradients by now, so every process sees the same norm and stops together.
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
@@ -1107,12 +1108,18 @@ def _own_output_dir(out: Path):
         raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
     try:
         # The same lock as checkpoint saves take, re-entrant, so this run's own saves into
-        # `out` nest inside it while another run (or a save from elsewhere) is refused.
+        # `out` nest inside it; another run is refused at once, and a save from another
+        # process waits for this run to end.
         lock = ckpt.DirectoryLock(out, blocking=False)
     except BlockingIOError:
         raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
                             "choose another --output-dir") from None  # fmt: skip
     try:
+        # A save killed after its commit point left a journal whose staged temporaries are the
+        # new files: finish it first (as the next save or load would), then delete the rest.
+        for folder in (out, out / "data"):
+            if folder.is_dir():
+                ckpt.recover(folder)
         removed = [p for folder in (out, out / "data") if folder.is_dir() for p in folder.iterdir()
                    if p.is_file() and _TEMPORARY.fullmatch(p.name)]  # fmt: skip
         size = sum(p.stat().st_size for p in removed)

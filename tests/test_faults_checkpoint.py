@@ -668,3 +668,10 @@ def test_directory_lock_nests_in_a_process_and_excludes_others(tmp_path):
     finally:
         outer.release()
     assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)]).returncode == 0
+
+
+def test_unknown_device_is_refused_before_any_file_is_read(tmp_path):
+    """No path exists here: a device check that ran after locating or reading the files
+    would raise CheckpointError instead."""
+    with pytest.raises(ValueError, match="'tpu0' is not a device torch knows"):
+        BertModel.from_pretrained(tmp_path / "nothing-here", device="tpu0")

@@ -576,3 +576,44 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
     assert not temporaries(out)
     wa, wb = load_last(out)["model"], load_last(full)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wb)
+
+
+
+def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch):
+    """A save killed after its commit point leaves a journal whose staged temporaries are
+    the new files. A run starting in that folder must finish the save (as the next load or
+    save would), not delete the new files as leftovers and roll back to the old ones."""
+    import bert_port.checkpoint as ckpt
+    from bert_port.training import _own_output_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    apply_journal = ckpt._apply_journal
+
+    def killed_after_the_commit_point(directory):
+        if (directory / ckpt.JOURNAL).is_file():
+            raise SystemExit("killed")  # the process dies with the journal in place
+        return False
+
+    monkeypatch.setattr(ckpt, "_apply_journal", killed_after_the_commit_point)
+    with pytest.raises(SystemExit), ckpt.StagedWrite(out) as stage:
+        stage.text("config.json", "new")
+    monkeypatch.setattr(ckpt, "_apply_journal", apply_journal)
+    assert (out / ckpt.JOURNAL).is_file() and (out / "config.json").read_text() == "old"
+
+    with _own_output_dir(out):
+        assert (out / "config.json").read_text() == "new"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_predict_with_no_tokenizer_files_is_an_error_not_a_traceback(tmp_path, capsys):
+    from bert_port import BertConfig, BertForSequenceClassification
+    from bert_port.cli.predict import main
+
+    BertForSequenceClassification(BertConfig.from_dict(dict(TINY, num_labels=2))).save_pretrained(tmp_path / "m")
+    (tmp_path / "in.csv").write_text("text\nhello there\n")
+    argv = ["--model", str(tmp_path / "m"), "--input", str(tmp_path / "in.csv"), "--output", str(tmp_path / "o.csv")]
+    assert main([*argv, "--max-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "vocab.txt" in err and not (tmp_path / "o.csv").exists()

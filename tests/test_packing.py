@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import REAL_SENTENCES, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
+from bert_port.attention import varlen_supported
 from bert_port.packing import pack, pad, unpad
 
 
@@ -283,6 +284,8 @@ def test_varlen_attention_matches_sdpa_on_cuda(tiny_config):
     sdpa.load_state_dict(varlen.state_dict())
     batch = {k: v.cuda() for k, v in random_batch(tiny_config["vocab_size"]).items()}
     real = batch["attention_mask"].bool()
+    # Otherwise the model falls back to SDPA and this test compares SDPA with itself.
+    assert varlen_supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 0.0)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         actual = varlen(**batch).last_hidden_state.float()
         expected = sdpa(**batch).last_hidden_state.float()

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
         check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
         model = BertForSequenceClassification.from_pretrained(args.model)
+        tokenizer = load_tokenizer(model.source_dir)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model.to(device)
-    probs = predict(model, load_tokenizer(model.source_dir), dataset, args.batch_size, max_length, device, args.bf16)
+    probs = predict(model, tokenizer, dataset, args.batch_size, max_length, device, args.bf16)
     names = [model.config.id2label[i] for i in range(probs.shape[1])]
     predicted = probs.argmax(-1).tolist()
     try:
