@@ -29,6 +29,21 @@ from .utils import additive_mask, get_activation, get_extended_attention_mask
 from .validation import check_inputs
 
 
+def prepare_mask(
+    config: BertConfig, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
+) -> Tensor | None:
+    """The 4-D mask the attention of (B, T, H) `hidden_states` uses: boolean for SDPA,
+    additive for eager (which `output_attentions` runs), causal for a decoder."""
+    return get_extended_attention_mask(
+        attention_mask,
+        hidden_states.dtype,
+        seq_len=hidden_states.shape[1],
+        causal=config.is_decoder,
+        as_bool=config.attn_implementation != "eager" and not output_attentions,
+        device=hidden_states.device,
+    )
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -175,7 +190,7 @@ class BertLayer(nn.Module):
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
         if packing is None and (attention_mask is None or attention_mask.dim() < 4):
-            attention_mask = self.prepare_mask(attention_mask, hidden_states, output_attentions)
+            attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
         attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
@@ -183,19 +198,6 @@ class BertLayer(nn.Module):
         interm = self.interm_af(self.interm_dense(attention_output))
         layer_output = self.add_norm(attention_output, interm, self.out_dense, self.out_dropout, self.out_layer_norm)
         return (layer_output, probs) if output_attentions else layer_output
-
-    def prepare_mask(
-        self, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
-    ) -> Tensor | None:
-        """The 4-D mask for this block's attention (boolean for SDPA, additive for eager)."""
-        return get_extended_attention_mask(
-            attention_mask,
-            hidden_states.dtype,
-            seq_len=hidden_states.shape[1],
-            causal=self.config.is_decoder,
-            as_bool=self.config.attn_implementation != "eager" and not output_attentions,
-            device=hidden_states.device,
-        )
 
 
 class BertModel(BertPreTrainedModel):
@@ -264,13 +266,7 @@ class BertModel(BertPreTrainedModel):
             hidden_states = unpad(hidden_states, packing)  # (N, H)
             extended_mask = None  # the layers mask packed rows with `packing.key_mask`
         else:
-            extended_mask = get_extended_attention_mask(
-                attention_mask,
-                hidden_states.dtype,
-                seq_len=hidden_states.shape[1],
-                causal=self.config.is_decoder,
-                as_bool=self.config.attn_implementation != "eager" and not output_attentions,
-            )
+            extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
         for layer in self.bert_layers:

@@ -610,7 +610,7 @@ def _fsync_dir(directory: Path) -> None:
 # Hidden files of a save in progress: temporaries `.{name}.XXXXXXXX.tmp` (mkstemp's eight
 # random characters) and the commit journal. Only a save holding the directory's lock has
 # any, so whatever matches when the lock is taken was left by a killed save.
-_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
+TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
 JOURNAL = ".bert_port-commit.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -714,7 +714,7 @@ def _apply_journal(directory: Path) -> bool:
         valid = (
             isinstance(renames, list) and isinstance(removals, list)
             and all(isinstance(r, list) and len(r) == 2 and all(map(_plain_name, r)) for r in renames)
-            and all(_TEMPORARY.fullmatch(tmp) for tmp, _ in renames)
+            and all(TEMPORARY.fullmatch(tmp) for tmp, _ in renames)
             and all(_plain_name(n) and _removable(n) for n in removals)
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
@@ -759,16 +759,27 @@ def recover(directory: str | os.PathLike) -> bool:
     return done
 
 
-def _remove_temporaries(directory: Path) -> list[str]:
-    """Delete what killed saves left: call with the directory's lock held."""
-    removed = []
-    for entry in os.scandir(directory):
-        if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            os.unlink(entry.path)
-            removed.append(entry.name)
-    if removed:
-        log.info("%s: removed %d temporaries of an interrupted save", directory, len(removed))
-    return removed
+def tidy(directory: str | os.PathLike) -> tuple[int, int]:
+    """Clean up after killed saves in `directory`: finish a save killed after its commit
+    point (its staged files are the new checkpoint), then delete the temporaries of saves
+    killed before theirs. Takes the directory's lock (re-entrant). Returns how many files
+    it deleted and their total size in bytes."""
+    directory = Path(directory)
+    lock = DirectoryLock(directory)
+    try:
+        if _apply_journal(directory):
+            log.warning("%s: finished a save that was interrupted after it committed", directory)
+        count = size = 0
+        for entry in os.scandir(directory):
+            if TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                size += entry.stat(follow_symlinks=False).st_size
+                os.unlink(entry.path)
+                count += 1
+    finally:
+        lock.release()
+    if count:
+        log.info("%s: removed %d temporaries of an interrupted save", directory, count)
+    return count, size
 
 
 class StagedWrite:
@@ -794,9 +805,7 @@ class StagedWrite:
         self.committed: list[Path] = []
         self._lock: DirectoryLock | None = DirectoryLock(self.directory)
         try:
-            if _apply_journal(self.directory):
-                log.warning("%s: finished a save that was interrupted after it committed", self.directory)
-            _remove_temporaries(self.directory)
+            tidy(self.directory)
         except BaseException:
             self.close()
             raise

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import random
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import atomic_write
 from .tokenization import encode
 
 log = logging.getLogger(__name__)
@@ -224,8 +224,9 @@ def load_texts(
         for value, line in zip(values, lines):
             if "\n" in value or "\r" in value:
                 # Almost always a quote left open in the file, not a real label.
-                raise DataError(f"{path}, line {line}: the label {value[:60]!r}{'...' if len(value) > 60 else ''} spans several lines; labels are "
-                                "one line each. Look for an unbalanced quote on or before that line")  # fmt: skip
+                shown = f"{value[:60]!r}{'...' if len(value) > 60 else ''}"
+                raise DataError(f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
+                                "each. Look for an unbalanced quote on or before that line")  # fmt: skip
         return values
 
     return TextDataset(
@@ -249,23 +250,14 @@ def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
         columns["label"] = dataset.labels
     rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target under the hidden temporary name `checkpoint.StagedWrite`
-    # uses (so a killed run's leftovers are recognised and cleaned), then renamed into place.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with open(fd, "w", encoding="utf-8", newline="") as f:
+    with atomic_write(path) as tmp:  # a killed run leaves the previous file, and a temporary the next run cleans
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
             if fmt == "jsonl":
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
             else:
                 writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
                 writer.writeheader()
                 writer.writerows(rows)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; give it an ordinary file's mode
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
     return path
 
 

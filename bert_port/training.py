@@ -456,7 +456,8 @@ def train_step(
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         norm = grad_norm
     else:
-        grads = [p.grad.detach().norm() for p in params if p.grad is not None]  # 2-norm of the norms, as clipping computes it
+        # The 2-norm of the per-tensor norms, as clip_grad_norm_ computes it.
+        grads = [p.grad.detach().norm() for p in params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
     # DDP has averaged the gradients by now, so every process sees the same norm and stops together.
     if not math.isfinite(norm):
@@ -1028,8 +1029,9 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
                                         f"{_DIVERGED_ADVICE}") from None  # fmt: skip
                 loss = float(d.sum(loss_sum)) / n_real
                 if not math.isfinite(loss):  # the same on every process: it was summed over them
-                    raise DivergedError(f"the training loss at step {global_step + 1} (epoch {epoch + 1}, lr "
-                                        f"{lr:.3g}) is {loss}; nothing was saved from it; {_DIVERGED_ADVICE}")  # fmt: skip
+                    raise DivergedError(f"the training loss at step {global_step + 1} (epoch {epoch + 1}, "
+                                        f"lr {lr:.3g}) is {loss}; nothing was saved from it; "
+                                        f"{_DIVERGED_ADVICE}")  # fmt: skip
                 global_step += 1
                 step_in_epoch = k + 1
                 elapsed = time.perf_counter() - t0
@@ -1087,8 +1089,6 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
 # Not --resume: it must keep the settings, so it would diverge again at the same step.
 _DIVERGED_ADVICE = ("lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
                     "--overwrite or in another --output-dir")  # fmt: skip
-# `checkpoint.StagedWrite` (and `data.write_texts`) stage files as `.{name}.XXXXXXXX.tmp`.
-_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
 
 
 @contextlib.contextmanager
@@ -1115,18 +1115,15 @@ def _own_output_dir(out: Path):
         raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
                             "choose another --output-dir") from None  # fmt: skip
     try:
-        # A save killed after its commit point left a journal whose staged temporaries are the
-        # new files: finish it first (as the next save or load would), then delete the rest.
+        # What killed saves left (`checkpoint.StagedWrite` and `data.write_texts` stage files
+        # as hidden temporaries): a save killed after its commit is finished, the rest deleted.
+        removed = size = 0
         for folder in (out, out / "data"):
             if folder.is_dir():
-                ckpt.recover(folder)
-        removed = [p for folder in (out, out / "data") if folder.is_dir() for p in folder.iterdir()
-                   if p.is_file() and _TEMPORARY.fullmatch(p.name)]  # fmt: skip
-        size = sum(p.stat().st_size for p in removed)
-        for p in removed:
-            p.unlink(missing_ok=True)
+                count, nbytes = ckpt.tidy(folder)
+                removed, size = removed + count, size + nbytes
         if removed:
-            log.warning("removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", len(removed),
+            log.warning("removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", removed,
                         size / 2**20, out)  # fmt: skip
         yield out
     finally:

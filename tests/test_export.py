@@ -40,7 +40,7 @@ def _eager(model: BertModel, batch: dict) -> tuple[dict, dict]:
     return default, padded
 
 
-def _check(got: dict, model: BertModel, batch: dict, exact_atol: float | None) -> float:
+def _assert_matches_eager(got: dict, model: BertModel, batch: dict, exact_atol: float | None) -> float:
     """Compare exported outputs with eager ones; returns the real-token max abs difference
     against the default (unpadded) model."""
     default, padded = _eager(model, batch)
@@ -63,7 +63,7 @@ def test_torch_export_with_dynamic_batch_and_sequence(tiny_config, attn):
     new = random_batch(tiny_config["vocab_size"], B=5, T=13, seed=1)
     with torch.no_grad():
         got = program.module()(*_args(new))
-    _check(got, model, new, EXPORT_ATOL)
+    _assert_matches_eager(got, model, new, EXPORT_ATOL)
 
 
 def test_torch_export_of_the_real_checkpoint(minilm_path):
@@ -74,7 +74,7 @@ def test_torch_export_of_the_real_checkpoint(minilm_path):
     program = torch.export.export(model, _args(traced), dynamic_shapes=_dynamic_shapes(512))
     with torch.no_grad():
         got = program.module()(*_args(new))
-    diff = _check(got, model, new, EXPORT_ATOL)
+    diff = _assert_matches_eager(got, model, new, EXPORT_ATOL)
     print(f"all-MiniLM-L6-v2 exported vs eager default, real tokens: max abs {diff:.2e}")
 
 
@@ -104,7 +104,7 @@ def test_onnx_export_runs_in_onnxruntime(tiny_config, tmp_path):
     traced = random_batch(tiny_config["vocab_size"], B=3, T=9)
     new = random_batch(tiny_config["vocab_size"], B=5, T=13, seed=1)
     got = _onnx_round_trip(model, traced, new, tiny_config["max_position_embeddings"], tmp_path / "tiny.onnx")
-    _check(got, model, new, exact_atol=None)
+    _assert_matches_eager(got, model, new, exact_atol=None)
 
 
 @pytest.mark.slow
@@ -114,7 +114,7 @@ def test_onnx_export_of_the_real_checkpoint(minilm_path, tmp_path):
     tokenizer = load_tokenizer(minilm_path)
     traced, new = encode(tokenizer, REAL_SENTENCES[:3]), encode(tokenizer, REAL_SENTENCES[2:] + ["ok", "fine"])
     got = _onnx_round_trip(model, traced, new, 512, tmp_path / "minilm.onnx")
-    diff = _check(got, model, new, exact_atol=None)
+    diff = _assert_matches_eager(got, model, new, exact_atol=None)
     print(f"all-MiniLM-L6-v2 onnxruntime vs eager default, real tokens: max abs {diff:.2e}")
 
 
@@ -128,4 +128,4 @@ def test_torch_compile_of_the_whole_model_has_no_graph_break(tiny_config):
     with torch.no_grad():
         for T in (9, 14):
             batch = random_batch(tiny_config["vocab_size"], T=T)
-            _check(compiled(**batch), model, batch, exact_atol=None)
+            _assert_matches_eager(compiled(**batch), model, batch, exact_atol=None)

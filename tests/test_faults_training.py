@@ -27,7 +27,8 @@ from bert_port import BertConfig, BertModel
 from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
 from bert_port.data import DataError, load_texts
-from bert_port.training import _TEMPORARY, DETAIL_MAX_CLASSES, WORST_CLASSES
+from bert_port.checkpoint import TEMPORARY
+from bert_port.training import DETAIL_MAX_CLASSES, WORST_CLASSES
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -46,7 +47,7 @@ def load_last(out: Path) -> dict:
 
 
 def temporaries(out: Path) -> list[Path]:
-    return [p for d in (out, out / "data") if d.is_dir() for p in d.iterdir() if _TEMPORARY.fullmatch(p.name)]
+    return [p for d in (out, out / "data") if d.is_dir() for p in d.iterdir() if TEMPORARY.fullmatch(p.name)]
 
 
 def _checkpoint(root: Path, minilm_path: Path, dropout: float, **config) -> Path:
@@ -108,7 +109,7 @@ def assert_refused(code: int, capsys, *messages: str) -> str:
     return err
 
 
-def usage_error(main, argv, capsys, *messages: str) -> None:
+def assert_usage_error(main, argv, capsys, *messages: str) -> None:
     """argparse's usage error: SystemExit(2) with the flag named on stderr."""
     with pytest.raises(SystemExit) as exit_info:
         main([str(a) for a in argv])
@@ -125,8 +126,8 @@ def usage_error(main, argv, capsys, *messages: str) -> None:
 @pytest.mark.parametrize("value", ["-1", "0", "abc"])
 def test_predict_refuses_a_batch_size_that_is_not_positive(trained, data, tmp_path, capsys, value):
     out = tmp_path / "pred.csv"
-    usage_error(predict_cli.main, ["--model", trained, "--input", data["validation"], "--output", out,
-                                   "--batch-size", value], capsys, "--batch-size")  # fmt: skip
+    assert_usage_error(predict_cli.main, ["--model", trained, "--input", data["validation"], "--output", out,
+                                          "--batch-size", value], capsys, "--batch-size")  # fmt: skip
     assert not out.exists()
 
 
@@ -314,8 +315,8 @@ def test_nonsense_flags_are_refused_before_any_work(tmp_path, ckpt, data, capsys
 
 @pytest.mark.parametrize("value", ["abc", "1e-3x", ""])
 def test_a_string_lr_on_the_command_line_is_a_usage_error(tmp_path, ckpt, data, capsys, value):
-    usage_error(finetune_cli.main, args_for(data, ckpt, tmp_path / "out", "--lr", value), capsys,
-                "argument --lr: invalid float value")  # fmt: skip
+    assert_usage_error(finetune_cli.main, args_for(data, ckpt, tmp_path / "out", "--lr", value), capsys,
+                       "argument --lr: invalid float value")  # fmt: skip
 
 
 @pytest.mark.parametrize(

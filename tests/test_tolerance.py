@@ -99,7 +99,8 @@ def test_query_key_swapped_by_the_key_table_is_caught(minilm_path, hf_reference,
     monkeypatch.setattr(ckpt, "HF_TO_PORT", table)
     monkeypatch.setattr(ckpt, "PORT_TO_HF", {v: k for k, v in table.items()})
     ours = BertModel.from_pretrained(minilm_path)
-    assert torch.equal(ours.bert_layers[0].self_attention.query.weight, hf_reference.encoder.layer[0].attention.self.key.weight)
+    hf_key = hf_reference.encoder.layer[0].attention.self.key.weight
+    assert torch.equal(ours.bert_layers[0].self_attention.query.weight, hf_key)
     _assert_caught(_check(ours, hf_reference, batches), "layer 0")
 
 
