@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup parity test test-fast test-kernels finetune bench clean
+.PHONY: setup parity test test-fast test-kernels lint finetune bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -41,6 +41,10 @@ test-kernels: setup
 	$(foreach k,$(KERNELS),echo "== kernel family $(k): $(ENV_$(k))" && \
 	  env $(ENV_$(k)) $(VENV)/bin/bert-port-parity --device cpu --dtype float32 --no-progress && \
 	  env $(ENV_$(k)) $(PY) -m pytest -q $(PARITY_TESTS) && ) true
+
+lint: setup
+	$(VENV)/bin/ruff check bert_port tests scripts
+	$(VENV)/bin/ruff format --check bert_port tests scripts
 
 finetune: setup
 	$(VENV)/bin/bert-port-finetune --config configs/finetune_mr_minilm.json

@@ -76,8 +76,15 @@ def _check_finite_mode(mode: str) -> None:
 
 
 # The fields that fix the shapes of the weights, and with vocab_size the tokenizer.
-_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "type_vocab_size")  # fmt: skip
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
 
 
 def _same_shape(config_file: Path, config: dict) -> bool:
@@ -246,11 +253,15 @@ class BertPreTrainedModel(nn.Module):
         # A tensor the model holds as floating point must be floating in the file (an int64 or
         # bool weight is a broken export, not something to cast); integer buffers keep theirs.
         wrong_kind = [
-            k for k in incoming
-            if k in expected and k not in mismatched
-            and (incoming[k].is_floating_point() != expected[k].is_floating_point()
-                 or (not expected[k].is_floating_point() and incoming[k].dtype != expected[k].dtype))
-        ]  # fmt: skip
+            k
+            for k in incoming
+            if k in expected
+            and k not in mismatched
+            and (
+                incoming[k].is_floating_point() != expected[k].is_floating_point()
+                or (not expected[k].is_floating_point() and incoming[k].dtype != expected[k].dtype)
+            )
+        ]
         if missing or unexpected or mismatched or wrong_kind:
             raise ckpt.CheckpointError(
                 self._describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind)
@@ -276,8 +287,13 @@ class BertPreTrainedModel(nn.Module):
             name(k) for k, t in incoming.items() if k not in unused and t.is_floating_point() and t.dtype != target
         )
         if dtype is None and odd:
-            log.warning("%s: cast %d tensor(s) to %s, the dtype of the others: %s", source, len(odd),
-                        str(target).removeprefix("torch."), ckpt.short_list(odd))  # fmt: skip
+            log.warning(
+                "%s: cast %d tensor(s) to %s, the dtype of the others: %s",
+                source,
+                len(odd),
+                str(target).removeprefix("torch."),
+                ckpt.short_list(odd),
+            )
         prepared = {}
         for key, tensor in incoming.items():
             if key in unused:
@@ -336,8 +352,10 @@ class BertPreTrainedModel(nn.Module):
             return out + ([f"    ... and {len(keys) - limit} more"] if len(keys) > limit else [])
 
         lines = [
-            f"cannot load {source}: the checkpoint does not fit the model. "
-            "Tensors are named as in the file (-> the port's name, where it differs)."
+            (
+                f"cannot load {source}: the checkpoint does not fit the model. "
+                "Tensors are named as in the file (-> the port's name, where it differs)."
+            )
         ]
         if missing:
             lines.append(f"  missing ({len(missing)}), the model needs these and the checkpoint lacks them:")

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -29,6 +30,9 @@ try:
     import fcntl
 except ImportError:  # Windows: saves run unlocked there
     fcntl = None
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +228,11 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
         out.state_dict[new_key] = tensor
         out.sources[new_key] = raw_key
     if out.dropped:
-        log.info("dropped %d pretraining-head tensors not used by the encoder: %s",
-                 len(out.dropped), ", ".join(sorted(out.dropped)))  # fmt: skip
+        log.info(
+            "dropped %d pretraining-head tensors not used by the encoder: %s",
+            len(out.dropped),
+            ", ".join(sorted(out.dropped)),
+        )
     return out
 
 
@@ -286,8 +293,12 @@ PT_WEIGHTS = "pytorch_model.bin"
 PT_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_NAMES = (SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX)  # in order of preference
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "added_tokens.json",
+)
 
 
 @dataclass
@@ -363,8 +374,10 @@ def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
         raise CheckpointError(
             f"revision {revision!r} is not a ref name or commit hash (it is empty, absolute, or has a '..' part); "
             "use a branch such as 'main' or a commit hash",
-            hint="Pass {}", argument="revision", value="main",
-        )  # fmt: skip
+            hint="Pass {}",
+            argument="revision",
+            value="main",
+        )
     ref = repo / "refs" / revision
     try:
         commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else revision
@@ -432,8 +445,9 @@ def _locate_checkpoint(
     if not config.is_file():
         raise CheckpointError(
             f"no config for checkpoint {weights}: expected {config}. Put the model's config.json beside the weights",
-            hint="or pass {}", argument="config_file",
-        )  # fmt: skip
+            hint="or pass {}",
+            argument="config_file",
+        )
     return CheckpointFiles(directory=directory, config_file=config, weights_file=weights)
 
 
@@ -517,10 +531,14 @@ def _read_index(path: Path) -> dict[str, Tensor]:
     # Shards live beside the index and are weights files: a name that leaves the directory,
     # or names an index (this one, which would recurse forever, or another), is not a shard.
     bad = [
-        s for s in shards
-        if not isinstance(s, str) or not _plain_name(s) or Path(s).name != s
-        or s.endswith(".index.json") or not s.endswith(_SHARD_SUFFIXES)
-    ]  # fmt: skip
+        s
+        for s in shards
+        if not isinstance(s, str)
+        or not _plain_name(s)
+        or Path(s).name != s
+        or s.endswith(".index.json")
+        or not s.endswith(_SHARD_SUFFIXES)
+    ]
     if bad:
         raise CheckpointError(
             f"shard index {path} names {len(bad)} shard(s) outside its directory or not weights files: "
@@ -585,7 +603,7 @@ def _default_file_mode() -> int:
     # umask is read from /proc where it can be: setting it to read it races other threads.
     try:
         status = Path("/proc/self/status").read_text()
-        umask = int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)
+        umask = int(re.search(r"^Umask:\s*([0-7]+)", status, re.MULTILINE).group(1), 8)
     except (OSError, AttributeError):
         umask = os.umask(0o022)
         os.umask(umask)
@@ -637,7 +655,7 @@ class DirectoryLock:
     `flock` is dropped when the outermost holder releases. `blocking=False` raises
     `BlockingIOError` instead of waiting for another process."""
 
-    _held: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [RLock, fd or None, depth]
+    _held: ClassVar[dict[tuple[int, int], list]] = {}  # (st_dev, st_ino) -> [RLock, fd or None, depth]
     _mutex = threading.Lock()
 
     def __init__(self, directory: str | os.PathLike, *, blocking: bool = True):
@@ -712,11 +730,12 @@ def _apply_journal(directory: Path) -> bool:
         plan = json.loads(journal.read_text(encoding="utf-8"))
         renames, removals = plan["rename"], plan["remove"]
         valid = (
-            isinstance(renames, list) and isinstance(removals, list)
+            isinstance(renames, list)
+            and isinstance(removals, list)
             and all(isinstance(r, list) and len(r) == 2 and all(map(_plain_name, r)) for r in renames)
             and all(TEMPORARY.fullmatch(tmp) for tmp, _ in renames)
             and all(_plain_name(n) and _removable(n) for n in removals)
-        )  # fmt: skip
+        )
     except (OSError, ValueError, KeyError, TypeError):
         valid = False
     if not valid:
@@ -873,7 +892,7 @@ class StagedWrite:
             self._lock.release()
             self._lock = None
 
-    def __enter__(self) -> StagedWrite:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -980,13 +999,17 @@ def stale_weights(directory: Path, keep: Iterable[str]) -> list[str]:
     the new save dropped); safetensors takes precedence over them on load."""
     keep = set(keep)
     stale = [
-        entry.name for entry in os.scandir(directory)
+        entry.name
+        for entry in os.scandir(directory)
         if entry.name not in keep and entry.is_file() and _removable(entry.name) and entry.name not in TOKENIZER_FILES
-    ]  # fmt: skip
+    ]
     leftovers = [n for n in (PT_WEIGHTS, PT_INDEX) if (Path(directory) / n).is_file()]
     if leftovers:
-        log.warning("%s still holds %s from an earlier save; the new safetensors files take precedence on load",
-                    directory, ", ".join(leftovers))  # fmt: skip
+        log.warning(
+            "%s still holds %s from an earlier save; the new safetensors files take precedence on load",
+            directory,
+            ", ".join(leftovers),
+        )
     return sorted(stale)
 
 

@@ -100,6 +100,4 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = per_example.sum() / (labels.view(-1) != IGNORE_INDEX).sum()
             else:
                 loss = per_example.mean()
-        return ModelOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -18,10 +18,29 @@ from typing import Any
 # Activations a config may name in `hidden_act`; the functions live in `utils.ACT2FN`.
 # Kept here as names only so that validating a config needs no torch import.
 SUPPORTED_ACTIVATIONS = (
-    "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast",
-    "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu", "silu",
-    "swish", "tanh", "sigmoid", "mish", "linear", "hardswish", "laplace", "sqrtsoftplus",
-)  # fmt: skip
+    "gelu",
+    "gelu_python",
+    "gelu_new",
+    "gelu_pytorch_tanh",
+    "gelu_python_tanh",
+    "gelu_fast",
+    "gelu_accurate",
+    "gelu_10",
+    "quick_gelu",
+    "relu",
+    "relu2",
+    "relu6",
+    "leaky_relu",
+    "silu",
+    "swish",
+    "tanh",
+    "sigmoid",
+    "mish",
+    "linear",
+    "hardswish",
+    "laplace",
+    "sqrtsoftplus",
+)
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "varlen")
 
@@ -88,8 +107,15 @@ class BertConfig:
     def validate(self) -> None:
         """Raise `ConfigError` naming every invalid field, with what to do about it."""
         problems = []
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):  # fmt: skip
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
@@ -198,9 +224,9 @@ class BertConfig:
             # attn_implementation is a runtime choice, and these three are None unless the model is
             # a classifier: written only when the config.json that was read had them.
             runtime = ("attn_implementation", "unpad_inputs")
-            if f.name in (*runtime, "id2label", "label2id", "problem_type") and f.name not in read:
-                if f.name in runtime or value is None:
-                    continue
+            unread = f.name in (*runtime, "id2label", "label2id", "problem_type") and f.name not in read
+            if unread and (f.name in runtime or value is None):
+                continue
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}
             out[f.name] = value

@@ -67,7 +67,7 @@ class TextDataset:
         return len(self.texts)
 
     def subset(self, indices: Sequence[int], source: str | None = None) -> TextDataset:
-        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]
         return TextDataset(
             texts=pick(self.texts),
             labels=pick(self.labels),
@@ -121,8 +121,9 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}, line {lineno}: not valid JSON ({exc.msg}); a .jsonl file holds one "
-                                "JSON object per line") from None  # fmt: skip
+                raise DataError(
+                    f"{path}, line {lineno}: not valid JSON ({exc.msg}); a .jsonl file holds one JSON object per line"
+                ) from None
             except RecursionError:
                 raise DataError(f"{path}, line {lineno}: JSON nested too deeply to read") from None
             if not isinstance(obj, dict):
@@ -151,8 +152,10 @@ def _read_delimited(path: Path, text: str, delimiter: str) -> tuple[list[dict], 
             raise DataError(f"{path} is empty; it needs a header row naming the columns and at least one data row")
         repeated = sorted(name for name, n in Counter(reader.fieldnames).items() if n > 1)
         if repeated:
-            raise DataError(f"{path}: the header names column(s) {', '.join(map(repr, repeated))} more than once; "
-                            "give every column its own name")  # fmt: skip
+            raise DataError(
+                f"{path}: the header names column(s) {', '.join(map(repr, repeated))} more than once; "
+                "give every column its own name"
+            )
         start = reader.line_num + 1
         for record in reader:
             if None in record:  # more fields than header names
@@ -165,12 +168,15 @@ def _read_delimited(path: Path, text: str, delimiter: str) -> tuple[list[dict], 
             start = reader.line_num + 1
     except csv.Error as exc:
         if "end of data" in str(exc):
-            raise DataError(f"{path}, line {start}: a quoted field opened in the row starting on this line is never "
-                            "closed (it would run to the end of the file); close the quote, or double quotes that "
-                            'are part of the text ("")') from None  # fmt: skip
-        raise DataError(f"{path}, line {start}: malformed {'CSV' if delimiter == ',' else 'TSV'} ({exc}); "
-                        'a field that holds quotes must be quoted as a whole, with inner quotes doubled ("")'
-                        ) from None  # fmt: skip
+            raise DataError(
+                f"{path}, line {start}: a quoted field opened in the row starting on this line is never "
+                "closed (it would run to the end of the file); close the quote, or double quotes that "
+                'are part of the text ("")'
+            ) from None
+        raise DataError(
+            f"{path}, line {start}: malformed {'CSV' if delimiter == ',' else 'TSV'} ({exc}); "
+            'a field that holds quotes must be quoted as a whole, with inner quotes doubled ("")'
+        ) from None
     finally:
         csv.field_size_limit(limit)
     return records, lines
@@ -198,8 +204,10 @@ def load_texts(
     wanted = {"--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column}
     for flag, name in wanted.items():
         if name is not None and name not in columns:
-            raise DataError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}); "
-                            f"pass the right name with {flag}")  # fmt: skip
+            raise DataError(
+                f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}); "
+                f"pass the right name with {flag}"
+            )
 
     def column(name: str, what: str) -> list[str]:
         allowed, kinds = ((str, int), "a string or an integer") if what == "label" else ((str, int, float), "a string")
@@ -210,13 +218,17 @@ def load_texts(
                 bad.append(line)
             elif not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, allowed)):
                 # JSONL: 1.0 would become a label "1.0" distinct from "1", a list its repr.
-                raise DataError(f"{path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
-                                f"({type(value).__name__}); it must be {kinds}")  # fmt: skip
+                raise DataError(
+                    f"{path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
+                    f"({type(value).__name__}); it must be {kinds}"
+                )
             values.append("" if value is None else str(value))
         if bad:
-            raise DataError(f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
-                            f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); fill them in or "
-                            "remove those rows")  # fmt: skip
+            raise DataError(
+                f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
+                f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); fill them in or "
+                "remove those rows"
+            )
         return values
 
     def labels_of(name: str) -> list[str]:
@@ -225,8 +237,10 @@ def load_texts(
             if "\n" in value or "\r" in value:
                 # Almost always a quote left open in the file, not a real label.
                 shown = f"{value[:60]!r}{'...' if len(value) > 60 else ''}"
-                raise DataError(f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
-                                "each. Look for an unbalanced quote on or before that line")  # fmt: skip
+                raise DataError(
+                    f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
+                    "each. Look for an unbalanced quote on or before that line"
+                )
         return values
 
     return TextDataset(
@@ -250,14 +264,14 @@ def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
         columns["label"] = dataset.labels
     rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(path) as tmp:  # a killed run leaves the previous file, and a temporary the next run cleans
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            if fmt == "jsonl":
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-            else:
-                writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
-                writer.writeheader()
-                writer.writerows(rows)
+    # A killed run leaves the previous file, and a temporary the next run cleans.
+    with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
+        if fmt == "jsonl":
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        else:
+            writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
+            writer.writeheader()
+            writer.writerows(rows)
     return path
 
 
@@ -321,8 +335,10 @@ def validation_split(train: TextDataset, fraction: float, seed: int) -> tuple[Te
         raise DataError(f"--validation-split must be between 0 and 1, got {fraction}")
     parts = shuffled_split(train, (1.0 - fraction, fraction), seed, ("train", "validation"))
     if len(parts["validation"]) == 0 or len(parts["train"]) == 0:
-        raise DataError(f"{train.source} has {len(train)} example(s): too few to hold out {fraction:.0%} for "
-                        "validation; pass a --validation file or more data")  # fmt: skip
+        raise DataError(
+            f"{train.source} has {len(train)} example(s): too few to hold out {fraction:.0%} for "
+            "validation; pass a --validation file or more data"
+        )
     return parts["train"], parts["validation"]
 
 

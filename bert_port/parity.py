@@ -34,10 +34,14 @@ from .tokenization import encode
 from .tolerance import TOLERANCES, Tolerance
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 DEVICES = ("cpu", "cuda")
 
 
@@ -48,11 +52,15 @@ REL_FLOOR = 1e-3
 # Built-in real text: movie-review sentences (MR), SMS messages, news and technical prose,
 # accents, CJK, numbers and punctuation, of varied lengths, and sentence pairs.
 DEFAULT_TEXTS: tuple[str, ...] = (
-    "the rock is destined to be the 21st century's new \" conan \" and that he's going to make a splash even "
-    "greater than arnold schwarzenegger , jean-claud van damme or steven segal .",
-    "the gorgeously elaborate continuation of \" the lord of the rings \" trilogy is so huge that a column of words "
-    "cannot adequately describe co-writer/director peter jackson's expanded vision of j . r . r . tolkien's "
-    "middle-earth .",
+    (
+        "the rock is destined to be the 21st century's new \" conan \" and that he's going to make a splash even "
+        "greater than arnold schwarzenegger , jean-claud van damme or steven segal ."
+    ),
+    (
+        'the gorgeously elaborate continuation of " the lord of the rings " trilogy is so huge that a column of words '
+        "cannot adequately describe co-writer/director peter jackson's expanded vision of j . r . r . tolkien's "
+        "middle-earth ."
+    ),
     "simplistic , silly and tedious .",
     "A gripping, beautifully shot film that never lets go.",
     "I wouldn't recommend this restaurant to anyone.",
@@ -442,12 +450,14 @@ def check_matrix(
             ]
             with exact_float32():
                 row.sites = compare(
-                    models[0], models[1], batches,
+                    models[0],
+                    models[1],
+                    batches,
                     tolerance=row.tolerance,
                     spread_reference=models[2],
                     progress=progress,
                     desc=f"{device} {row.dtype}",
-                )  # fmt: skip
+                )
             row.seconds = time.perf_counter() - start
             del models
             if device.startswith("cuda"):
@@ -526,8 +536,10 @@ def format_report(report: Report) -> str:
                 f"  {name:<19}{_fmt(o.max_abs):>10}{_fmt(o.mean_abs):>10}{_fmt(o.max_rel):>10}{_fmt(1 - o.min_cos):>10}"
                 f" |{spread} |{used}" + ("   <- FAIL" if not site.passed else "")
             )
-        lines.append("  * last_hidden_state at padding: values no caller reads (the port's default unpadded path "
-                     "writes zeros there); they must only agree on NaN/Inf.")
+        lines.append(
+            "  * last_hidden_state at padding: values no caller reads (the port's default unpadded path "
+            "writes zeros there); they must only agree on NaN/Inf."
+        )
         if row.status == "FAIL":
             lines.append(f"  {describe_failure(row)}")
     lines += ["", "summary"]
@@ -617,8 +629,9 @@ def plot_report(report: Report, path: str | Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.set_ylim(bottom=floor / 3)
     axes[1].axhline(1.0, color="red", linewidth=1, label="tolerance")
-    axes[0].text(0.01, 0.97, f"0 (bit-identical) is drawn at {floor:g}", transform=axes[0].transAxes, fontsize=8,
-                 va="top")  # fmt: skip
+    axes[0].text(
+        0.01, 0.97, f"0 (bit-identical) is drawn at {floor:g}", transform=axes[0].transAxes, fontsize=8, va="top"
+    )
     axes[1].legend(fontsize=7, loc="best")
     fig.suptitle(f"bert_port parity: {report.meta.get('checkpoint', '')}", fontsize=10)
     path = Path(path)

@@ -53,9 +53,9 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,9 @@ from .data import (
 )
 from .tokenization import load_tokenizer
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
+
 log = logging.getLogger(__name__)
 
 PROBLEM_TYPE = "single_label_classification"
@@ -94,10 +97,29 @@ CURVES_FILE = "training_curves.png"
 RESOLVED_CONFIG = "training_config.json"
 # Settings a resumed run must share with the run that wrote the checkpoint: they decide the
 # data order, the schedule and the model.
-RESUME_MUST_MATCH = ("checkpoint", "reference", "dataset", "train", "validation", "text_column",
-                     "text_pair_column", "label_column", "validation_split", "max_train_examples", "max_length",
-                     "epochs", "max_steps", "batch_size", "lr", "weight_decay", "warmup_ratio", "warmup_steps",
-                     "seed", "freeze_encoder", "classifier_dropout")  # fmt: skip
+RESUME_MUST_MATCH = (
+    "checkpoint",
+    "reference",
+    "dataset",
+    "train",
+    "validation",
+    "text_column",
+    "text_pair_column",
+    "label_column",
+    "validation_split",
+    "max_train_examples",
+    "max_length",
+    "epochs",
+    "max_steps",
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "warmup_ratio",
+    "warmup_steps",
+    "seed",
+    "freeze_encoder",
+    "classifier_dropout",
+)
 
 
 class FinetuneError(ValueError):
@@ -162,8 +184,15 @@ class FinetuneConfig:
             value = getattr(self, name)
             problems.append(f"--{name.replace('_', '-')} must be {want}, got {value!r}")
 
-        for name in ("reference", "attn_implementation", "text_column", "label_column", "metric_for_best",
-                     "output_dir", "device"):  # fmt: skip
+        for name in (
+            "reference",
+            "attn_implementation",
+            "text_column",
+            "label_column",
+            "metric_for_best",
+            "output_dir",
+            "device",
+        ):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 bad(name, "a non-empty string")
         for name in ("checkpoint", "dataset", "train", "validation", "test", "text_pair_column", "compare_to"):
@@ -195,12 +224,16 @@ class FinetuneConfig:
             ("warmup_ratio", 0.0, 1.0, True, "in [0, 1)"),
             ("validation_split", 0.0, 1.0, False, "strictly between 0 and 1"),
             ("classifier_dropout", 0.0, 1.0, True, "in [0, 1)"),
-        ):  # fmt: skip
+        ):
             value = getattr(self, name)
             if name == "classifier_dropout" and value is None:
                 continue
-            if not _is_number(value) or not math.isfinite(value) or not (lo <= value if closed else lo < value) \
-                    or not value < hi:  # fmt: skip
+            if (
+                not _is_number(value)
+                or not math.isfinite(value)
+                or not (lo <= value if closed else lo < value)
+                or not value < hi
+            ):
                 bad(name, want)
         if self.reference not in ("port", "hf"):
             problems.append(f"reference must be 'port' or 'hf', got {self.reference!r}")
@@ -216,8 +249,9 @@ class FinetuneConfig:
             problems.append(f"metric_for_best must be one of {', '.join(METRICS)}, got {self.metric_for_best!r}")
         columns = [c for c in (self.text_column, self.text_pair_column, self.label_column) if c is not None]
         if len(set(columns)) < len(columns):
-            problems.append(f"--text-column, --text-pair-column and --label-column must name different columns, "
-                            f"got {columns}")  # fmt: skip
+            problems.append(
+                f"--text-column, --text-pair-column and --label-column must name different columns, got {columns}"
+            )
         if isinstance(self.device, str) and not _DEVICE.fullmatch(self.device):
             problems.append(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if _is_int(self.max_length) and self.max_length >= 1:
@@ -246,11 +280,15 @@ def check_max_length(max_length: int, max_positions: int | None, pairs: bool = F
     batch fails mid-run)."""
     least = 5 if pairs else 3  # [CLS] a [SEP] (b [SEP])
     if max_length < least:
-        raise FinetuneError(f"{flag} {max_length} leaves no room for text beside [CLS] and [SEP]; use at least "
-                            f"{least}{' with a text pair' if pairs else ''} (typically 128)")  # fmt: skip
+        raise FinetuneError(
+            f"{flag} {max_length} leaves no room for text beside [CLS] and [SEP]; use at least "
+            f"{least}{' with a text pair' if pairs else ''} (typically 128)"
+        )
     if max_positions is not None and max_length > max_positions:
-        raise FinetuneError(f"{flag} {max_length} exceeds the model's max_position_embeddings ({max_positions}): "
-                            f"sequences that long cannot be encoded; use {flag} {max_positions} or less")  # fmt: skip
+        raise FinetuneError(
+            f"{flag} {max_length} exceeds the model's max_position_embeddings ({max_positions}): "
+            f"sequences that long cannot be encoded; use {flag} {max_positions} or less"
+        )
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -287,7 +325,7 @@ class Dist:
 
     rank: int = 0
     world_size: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False  # this module started the process group and ends it
 
     @property
@@ -328,8 +366,10 @@ def setup_distributed(device: str = "auto") -> Dist:
     if use_cuda:
         index = int(device.split(":")[1]) if ":" in device else local_rank
         if index >= torch.cuda.device_count():
-            raise FinetuneError(f"device cuda:{index} asked for, but this machine has {torch.cuda.device_count()} "
-                                "CUDA device(s); pick one of them with --device cuda:N")  # fmt: skip
+            raise FinetuneError(
+                f"device cuda:{index} asked for, but this machine has {torch.cuda.device_count()} "
+                "CUDA device(s); pick one of them with --device cuda:N"
+            )
         torch_device = torch.device("cuda", index)
         torch.cuda.set_device(torch_device)
     else:
@@ -499,17 +539,24 @@ def metrics_from_counts(
     }
     if len(names) <= DETAIL_MAX_CLASSES:
         result["per_class"] = {
-            name: {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
-                   "support": int(actual[i])}
+            name: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(actual[i]),
+            }
             for i, name in enumerate(names)
-        }  # fmt: skip
+        }
         if confusion is not None:
             result["confusion"] = confusion.long().cpu().tolist()
     else:
         supported = (actual > 0).nonzero().flatten()
         worst = supported[f1[supported].argsort(stable=True)[:WORST_CLASSES]].tolist()
-        q = f1[present].quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=f1.dtype)).tolist() \
-            if bool(present.any()) else [0.0] * 5  # fmt: skip
+        q = (
+            f1[present].quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=f1.dtype)).tolist()
+            if bool(present.any())
+            else [0.0] * 5
+        )
         result["per_class_summary"] = {
             "classes": len(names),
             "classes_present": int(present.sum()),
@@ -560,9 +607,14 @@ def evaluate(
 
 @torch.no_grad()
 def predict(
-    model: nn.Module, tokenizer, dataset: TextDataset, batch_size: int = 64, max_length: int = 128,
-    device: str | torch.device = "cpu", bf16: bool = False,
-) -> Tensor:  # fmt: skip
+    model: nn.Module,
+    tokenizer,
+    dataset: TextDataset,
+    batch_size: int = 64,
+    max_length: int = 128,
+    device: str | torch.device = "cpu",
+    bf16: bool = False,
+) -> Tensor:
     """Class probabilities (N, num_labels) for every text of `dataset`, in its order."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -608,8 +660,10 @@ def load_splits(cfg: FinetuneConfig) -> Splits:
         train = train.subset(range(min(cfg.max_train_examples, len(train))))
     names = label_names(train.labels)
     if len(names) < 2:
-        raise DataError(f"{train.source}: every training example has the label {names[0]!r}; a classifier needs "
-                        "examples of at least two labels")  # fmt: skip
+        raise DataError(
+            f"{train.source}: every training example has the label {names[0]!r}; a classifier needs "
+            "examples of at least two labels"
+        )
     check_labels(validation, names, "validation")
     if test is not None:
         check_labels(test, names, "test")
@@ -701,27 +755,54 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
         steps = [s["step"] for s in run["steps"]]
         losses = [s["loss"] for s in run["steps"]]
         ax_loss.plot(steps, losses, color=color, alpha=0.3, lw=0.8, ls=style)
-        ax_loss.plot(steps, _running_mean(losses, 20), color=color, lw=1.5, ls=style,
-                     label=f"train loss{suffix} (mean of 20)")  # fmt: skip
+        ax_loss.plot(
+            steps, _running_mean(losses, 20), color=color, lw=1.5, ls=style, label=f"train loss{suffix} (mean of 20)"
+        )
         evals = run["evaluations"]
         if evals:
             at = [e["step"] for e in evals]
-            ax_loss.plot(at, [e["validation"]["loss"] for e in evals], "o", ls=style, color=color,
-                         label=f"validation loss{suffix}")  # fmt: skip
-            ax_acc.plot(at, [e["validation"]["accuracy"] for e in evals], "o", ls=style, color=color,
-                        label=f"accuracy{suffix}")  # fmt: skip
-            ax_acc.plot(at, [e["validation"]["macro_f1"] for e in evals], "s", ls=style, color=color, mfc="none",
-                        label=f"macro-F1{suffix}")  # fmt: skip
+            ax_loss.plot(
+                at,
+                [e["validation"]["loss"] for e in evals],
+                "o",
+                ls=style,
+                color=color,
+                label=f"validation loss{suffix}",
+            )
+            ax_acc.plot(
+                at, [e["validation"]["accuracy"] for e in evals], "o", ls=style, color=color, label=f"accuracy{suffix}"
+            )
+            ax_acc.plot(
+                at,
+                [e["validation"]["macro_f1"] for e in evals],
+                "s",
+                ls=style,
+                color=color,
+                mfc="none",
+                label=f"macro-F1{suffix}",
+            )
     ax_lr = ax_loss.twinx()  # the schedule, for reading the loss against it
-    ax_lr.plot([s["step"] for s in metrics["steps"]], [s["lr"] for s in metrics["steps"]], color="0.6", lw=0.8, ls=":",
-               label="learning rate (right axis)")  # fmt: skip
+    ax_lr.plot(
+        [s["step"] for s in metrics["steps"]],
+        [s["lr"] for s in metrics["steps"]],
+        color="0.6",
+        lw=0.8,
+        ls=":",
+        label="learning rate (right axis)",
+    )
     ax_lr.set_ylabel("learning rate", color="0.4")
     ax_lr.set_ylim(bottom=0)
     ax_loss.set(xlabel="optimiser step", ylabel="cross-entropy", title="loss")
     ax_acc.set(xlabel="optimiser step", ylabel="validation", title="validation metrics", ylim=(0.0, 1.05))
     for e in metrics["evaluations"]:
-        ax_acc.annotate(f"{e['validation']['accuracy']:.3f}", (e["step"], e["validation"]["accuracy"]),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)  # fmt: skip
+        ax_acc.annotate(
+            f"{e['validation']['accuracy']:.3f}",
+            (e["step"], e["validation"]["accuracy"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=7,
+        )
     ax_loss.grid(alpha=0.3)
     ax_acc.grid(alpha=0.3)
     handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
@@ -758,7 +839,7 @@ def compare_runs(metrics: dict[str, Any], other: dict[str, Any]) -> dict[str, An
     b = {s["step"]: s["loss"] for s in other["steps"]}
     common = sorted(set(a) & set(b))
     diffs = [abs(a[s] - b[s]) for s in common]
-    first = lambda d: min((s for s, x in zip(common, d) if x > 1e-4), default=None)  # noqa: E731
+    first = lambda d: min((s for s, x in zip(common, d) if x > 1e-4), default=None)
     return {
         "other": other.get("output_dir"),
         "steps_compared": len(common),
@@ -787,7 +868,7 @@ class _StopRequest:
         self.requested = True
         log.warning("interrupted: stopping after the current step and saving a checkpoint (again to abort)")
 
-    def __enter__(self) -> _StopRequest:
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -833,15 +914,18 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
     if cfg.resume and not last_path.is_file():
-        raise FinetuneError(f"--resume: no {LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
-                            "or never ran there); start it again without --resume (with --overwrite if the "
-                            "directory holds a metrics.json)")  # fmt: skip
+        raise FinetuneError(
+            f"--resume: no {LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
+            "or never ran there); start it again without --resume (with --overwrite if the "
+            "directory holds a metrics.json)"
+        )
     if not cfg.resume and not cfg.overwrite and (last_path.is_file() or (out / METRICS_FILE).is_file()):
-        raise FinetuneError(f"{out} already holds a fine-tuning run; pass --resume to continue it, --overwrite to "
-                            "start it again, or choose another --output-dir")  # fmt: skip
+        raise FinetuneError(
+            f"{out} already holds a fine-tuning run; pass --resume to continue it, --overwrite to "
+            "start it again, or choose another --output-dir"
+        )
     if cfg.compare_to is not None and not Path(cfg.compare_to).is_dir():
-        raise FinetuneError(f"--compare-to {cfg.compare_to} is not a directory; pass the --output-dir of another "
-                            "run")  # fmt: skip
+        raise FinetuneError(f"--compare-to {cfg.compare_to} is not a directory; pass the --output-dir of another run")
     model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
     check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
     splits = load_splits(cfg)
@@ -860,8 +944,10 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
             (out / name).unlink(missing_ok=True)
     micro = cfg.batch_size // (cfg.grad_accum_steps * d.world_size)
     if micro * cfg.grad_accum_steps * d.world_size != cfg.batch_size:
-        raise FinetuneError(f"batch_size {cfg.batch_size} must be a multiple of grad_accum_steps x processes = "
-                            f"{cfg.grad_accum_steps} x {d.world_size}")  # fmt: skip
+        raise FinetuneError(
+            f"batch_size {cfg.batch_size} must be a multiple of grad_accum_steps x processes = "
+            f"{cfg.grad_accum_steps} x {d.world_size}"
+        )
 
     model, source_dir = build_model(cfg, names, hf_module)
     model.to(d.device)
@@ -909,8 +995,11 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
         history = state["history"]
         rngs = state["rng"]
         if len(rngs) != d.world_size:
-            log.warning("resuming with %d process(es) after %d: data order and schedule continue exactly, dropout "
-                        "masks do not", d.world_size, len(rngs))  # fmt: skip
+            log.warning(
+                "resuming with %d process(es) after %d: data order and schedule continue exactly, dropout masks do not",
+                d.world_size,
+                len(rngs),
+            )
         set_rng_state(rngs[d.rank % len(rngs)])
         if d.is_main:
             log.info("resumed from %s at epoch %d, step %d", last_path, epoch + 1, global_step)
@@ -920,11 +1009,22 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
         if cfg.dataset is not None and not cfg.resume:  # the bundled split as files, to inspect or reuse with --train
             for split in ("train", "validation", "test"):
                 write_texts(getattr(splits, split), out / "data" / f"{split}.csv")
-        log.info("%d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
-                 "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %d warmup, on %s",
-                 n_train, len(splits.validation), n_test, names, steps_per_epoch,
-                 cfg.batch_size, micro, cfg.grad_accum_steps, d.world_size, total_steps, min(warmup, total_steps),
-                 d.device)  # fmt: skip
+        log.info(
+            "%d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
+            "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %d warmup, on %s",
+            n_train,
+            len(splits.validation),
+            n_test,
+            names,
+            steps_per_epoch,
+            cfg.batch_size,
+            micro,
+            cfg.grad_accum_steps,
+            d.world_size,
+            total_steps,
+            min(warmup, total_steps),
+            d.device,
+        )
 
     def save_last(progress: dict[str, int]) -> None:
         _check_finite_weights(model, f"step {global_step}")
@@ -966,9 +1066,11 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
     def run_evaluation() -> None:
         result = evaluate(model, val_collate, names, d, cfg.eval_batch_size, cfg.bf16, desc="validation")
         if not math.isfinite(result["loss"]):  # accuracy would be the argmax of NaN: meaningless
-            raise DivergedError(f"the validation loss after epoch {epoch + 1} (step {global_step}) is "
-                                f"{result['loss']}: the weights are broken. Nothing was saved from them; "
-                                f"{_DIVERGED_ADVICE}")  # fmt: skip
+            raise DivergedError(
+                f"the validation loss after epoch {epoch + 1} (step {global_step}) is "
+                f"{result['loss']}: the weights are broken. Nothing was saved from them; "
+                f"{_DIVERGED_ADVICE}"
+            )
         steps_this_epoch = [s["loss"] for s in history["steps"] if s["epoch"] == epoch + 1]
         record = {
             "epoch": epoch + 1,
@@ -990,9 +1092,15 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
                 save_model(model, out, source_dir)
             d.barrier()
         if d.is_main:
-            log.info("epoch %d step %d: validation loss %.4f accuracy %.4f macro-F1 %.4f%s", epoch + 1,
-                     global_step, result["loss"], result["accuracy"], result["macro_f1"],
-                     " (best so far)" if better else "")  # fmt: skip
+            log.info(
+                "epoch %d step %d: validation loss %.4f accuracy %.4f macro-F1 %.4f%s",
+                epoch + 1,
+                global_step,
+                result["loss"],
+                result["accuracy"],
+                result["macro_f1"],
+                " (best so far)" if better else "",
+            )
             write_json(metrics_doc("running"), out / METRICS_FILE)
 
     status = "completed"
@@ -1001,9 +1109,14 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
             sampler.set_epoch(epoch)
             sampler.start = step_in_epoch * cfg.grad_accum_steps * micro
             micro_batches = list(chunks(list(sampler), micro))
-            bar = tqdm(total=min(steps_per_epoch, total_steps - global_step + step_in_epoch), initial=step_in_epoch,
-                       desc=f"epoch {epoch + 1}/{n_epochs}", unit="step", disable=not d.is_main,
-                       dynamic_ncols=True)  # fmt: skip
+            bar = tqdm(
+                total=min(steps_per_epoch, total_steps - global_step + step_in_epoch),
+                initial=step_in_epoch,
+                desc=f"epoch {epoch + 1}/{n_epochs}",
+                unit="step",
+                disable=not d.is_main,
+                dynamic_ncols=True,
+            )
             t_epoch = time.perf_counter()
             examples_epoch, start_step = 0, step_in_epoch
             for k in range(start_step, steps_per_epoch):
@@ -1020,29 +1133,42 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
                 lr = optimizer.param_groups[0]["lr"]
                 try:
                     loss_sum, grad_norm = train_step(
-                        ddp_model, optimizer, scheduler, batches, weights, n_real,
-                        world_size=d.world_size, max_grad_norm=cfg.max_grad_norm, bf16=cfg.bf16,
-                    )  # fmt: skip
+                        ddp_model,
+                        optimizer,
+                        scheduler,
+                        batches,
+                        weights,
+                        n_real,
+                        world_size=d.world_size,
+                        max_grad_norm=cfg.max_grad_norm,
+                        bf16=cfg.bf16,
+                    )
                 except DivergedError as exc:
-                    raise DivergedError(f"step {global_step + 1} (epoch {epoch + 1}, lr {lr:.3g}) diverged: {exc}. "
-                                        f"The step was not taken and nothing was saved from it; "
-                                        f"{_DIVERGED_ADVICE}") from None  # fmt: skip
+                    raise DivergedError(
+                        f"step {global_step + 1} (epoch {epoch + 1}, lr {lr:.3g}) diverged: {exc}. "
+                        f"The step was not taken and nothing was saved from it; "
+                        f"{_DIVERGED_ADVICE}"
+                    ) from None
                 loss = float(d.sum(loss_sum)) / n_real
                 if not math.isfinite(loss):  # the same on every process: it was summed over them
-                    raise DivergedError(f"the training loss at step {global_step + 1} (epoch {epoch + 1}, "
-                                        f"lr {lr:.3g}) is {loss}; nothing was saved from it; "
-                                        f"{_DIVERGED_ADVICE}")  # fmt: skip
+                    raise DivergedError(
+                        f"the training loss at step {global_step + 1} (epoch {epoch + 1}, "
+                        f"lr {lr:.3g}) is {loss}; nothing was saved from it; "
+                        f"{_DIVERGED_ADVICE}"
+                    )
                 global_step += 1
                 step_in_epoch = k + 1
                 elapsed = time.perf_counter() - t0
                 history["train_time_s"] += elapsed
                 history["examples"] += n_real
                 examples_epoch += n_real
-                history["steps"].append({"step": global_step, "epoch": epoch + 1, "loss": loss, "lr": lr,
-                                         "grad_norm": grad_norm})  # fmt: skip
+                history["steps"].append(
+                    {"step": global_step, "epoch": epoch + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+                )
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
-                                ex_s=f"{examples_epoch / (time.perf_counter() - t_epoch):.1f}")  # fmt: skip
+                bar.set_postfix(
+                    loss=f"{loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{examples_epoch / (time.perf_counter() - t_epoch):.1f}"
+                )
                 stop_now = stop.requested or (cfg.stop_after_steps is not None and global_step >= cfg.stop_after_steps)
                 if d.enabled:  # every process must agree to stop at the same step
                     stop_now = bool(d.sum(torch.tensor(float(stop_now))) > 0)
@@ -1075,8 +1201,12 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
                 metrics["comparison"] = compare_runs(metrics, other)
                 plot_curves(metrics, out / "comparison_curves.png", other)
             except (OSError, ValueError, KeyError, TypeError) as exc:  # never lose a finished run over it
-                log.warning("compare_to: cannot compare with %s (%s: %s); the run itself is complete", other_path,
-                            type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "compare_to: cannot compare with %s (%s: %s); the run itself is complete",
+                    other_path,
+                    type(exc).__name__,
+                    exc,
+                )
     metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)  # this invocation, data to test
     if d.is_main:
         write_json(metrics, out / METRICS_FILE)
@@ -1087,8 +1217,10 @@ def _finetune(cfg: FinetuneConfig, d: Dist, hf_module, stack: contextlib.ExitSta
 
 
 # Not --resume: it must keep the settings, so it would diverge again at the same step.
-_DIVERGED_ADVICE = ("lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
-                    "--overwrite or in another --output-dir")  # fmt: skip
+_DIVERGED_ADVICE = (
+    "lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
+    "--overwrite or in another --output-dir"
+)
 
 
 @contextlib.contextmanager
@@ -1101,8 +1233,9 @@ def _own_output_dir(out: Path):
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out, os.O_RDONLY)
     except OSError as exc:
-        raise FinetuneError(f"cannot create or open --output-dir {out} ({exc.strerror}); choose a directory you can "
-                            "write to") from None  # fmt: skip
+        raise FinetuneError(
+            f"cannot create or open --output-dir {out} ({exc.strerror}); choose a directory you can write to"
+        ) from None
     os.close(fd)
     if not os.access(out, os.W_OK):
         raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
@@ -1112,8 +1245,10 @@ def _own_output_dir(out: Path):
         # process waits for this run to end.
         lock = ckpt.DirectoryLock(out, blocking=False)
     except BlockingIOError:
-        raise FinetuneError(f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
-                            "choose another --output-dir") from None  # fmt: skip
+        raise FinetuneError(
+            f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
+            "choose another --output-dir"
+        ) from None
     try:
         # What killed saves left (`checkpoint.StagedWrite` and `data.write_texts` stage files
         # as hidden temporaries): a save killed after its commit is finished, the rest deleted.
@@ -1123,8 +1258,9 @@ def _own_output_dir(out: Path):
                 count, nbytes = ckpt.tidy(folder)
                 removed, size = removed + count, size + nbytes
         if removed:
-            log.warning("removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", removed,
-                        size / 2**20, out)  # fmt: skip
+            log.warning(
+                "removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", removed, size / 2**20, out
+            )
         yield out
     finally:
         lock.release()
@@ -1134,29 +1270,39 @@ def _load_last(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 (torch raises many types for a damaged file)
-        raise FinetuneError(f"cannot read {path} ({type(exc).__name__}: {str(exc)[:200]}); it is damaged. Start "
-                            "the run again with --overwrite, or in another --output-dir") from None  # fmt: skip
+        raise FinetuneError(
+            f"cannot read {path} ({type(exc).__name__}: {str(exc)[:200]}); it is damaged. Start "
+            "the run again with --overwrite, or in another --output-dir"
+        ) from None
 
 
 def _check_finite_weights(model: nn.Module, when: str) -> None:
     """No checkpoint is ever written from NaN or infinite weights."""
     bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
-        raise DivergedError(f"{len(bad)} weight tensor(s) hold NaN or Inf at {when} (e.g. {', '.join(bad[:3])}); "
-                            f"nothing was saved from them; {_DIVERGED_ADVICE}")  # fmt: skip
+        raise DivergedError(
+            f"{len(bad)} weight tensor(s) hold NaN or Inf at {when} (e.g. {', '.join(bad[:3])}); "
+            f"nothing was saved from them; {_DIVERGED_ADVICE}"
+        )
 
 
 def _check_resumable(state: dict[str, Any], cfg: FinetuneConfig, names: list[str], path: Path) -> None:
     if not isinstance(state, dict) or state.get("format") != 1:
         raise FinetuneError(f"{path} is not a checkpoint this version can resume from; start a new run")
     if state["labels"] != names:
-        raise FinetuneError(f"{path} was trained with labels {state['labels']}, the data now gives {names}; resume "
-                            "with the same data or start a new --output-dir")  # fmt: skip
+        raise FinetuneError(
+            f"{path} was trained with labels {state['labels']}, the data now gives {names}; resume "
+            "with the same data or start a new --output-dir"
+        )
     saved = state["config"]
-    differ = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_MUST_MATCH
-              if saved.get(k) != getattr(cfg, k)]  # fmt: skip
+    differ = [
+        f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}"
+        for k in RESUME_MUST_MATCH
+        if saved.get(k) != getattr(cfg, k)
+    ]
     if differ:
         raise FinetuneError(
             f"cannot resume from {path}: these settings differ from the run that wrote it:\n  - "
-            + "\n  - ".join(differ) + "\nResume with the same settings, or start a new --output-dir"
+            + "\n  - ".join(differ)
+            + "\nResume with the same settings, or start a new --output-dir"
         )

@@ -45,7 +45,7 @@ ACT2FN: dict[str, Callable[[Tensor], Tensor]] = {
     "hardswish": F.hardswish,
     "laplace": lambda x: 0.5 * (1.0 + torch.erf((x - 0.707107).div(0.282095 * math.sqrt(2.0)))),
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
-}  # fmt: skip
+}
 
 
 def get_activation(name: str) -> Callable[[Tensor], Tensor]:

@@ -60,8 +60,9 @@ def check_inputs(
         if attention_mask.dim() == 4:
             ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
             if not ok_4d:
-                raise ValueError(f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got "
-                                 f"{tuple(attention_mask.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got {tuple(attention_mask.shape)}"
+                )
         elif tuple(attention_mask.shape) != ok:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "

@@ -108,7 +108,7 @@ def random_batch(vocab_size: int, B: int = 3, T: int = 9, pad: str = "right", se
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types * mask}
 
 
-def write_legacy_bert_base(root: Path, formats=("safetensors", "bin")) -> "torch.nn.Module":
+def write_legacy_bert_base(root: Path, formats=("safetensors", "bin")) -> torch.nn.Module:
     """Write a checkpoint in the exact bert-base-uncased layout (real config.json,
     `bert.` prefixes, LayerNorm.gamma/beta, cls.* pretraining heads, random weights) once
     per format, as `root/safetensors/model.safetensors` and `root/bin/pytorch_model.bin`.

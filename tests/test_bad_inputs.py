@@ -52,7 +52,7 @@ def _assert_unchanged(model: BertModel, before: dict[str, torch.Tensor]) -> None
 def test_truncated_safetensors(tmp_path, tiny_state, cut):
     path = _write(tmp_path, tiny_state) / "model.safetensors"
     data = path.read_bytes()
-    path.write_bytes(data[:cut] if cut >= 0 else data[:cut])
+    path.write_bytes(data[:cut])
     with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
         BertModel.from_pretrained(tmp_path)
     assert str(path) in str(err.value)
@@ -277,6 +277,7 @@ def test_non_finite_half_precision(tmp_path, tiny_state):
 
 def _in_layout(state: dict, prefix: str, legacy: bool) -> dict:
     """`state` (bare HF names) as a file with wrapper `prefix` and, if `legacy`, gamma/beta spells it."""
+
     def spell(key: str) -> str:
         if legacy:
             key = key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
@@ -299,8 +300,10 @@ def test_bert_base_legacy_file_errors_use_its_names(bert_base_layout, tmp_path):
     with pytest.raises(CheckpointError) as err:
         BertModel.from_pretrained(tmp_path)
     msg = str(err.value)
-    assert "bert.encoder.layer.3.attention.output.LayerNorm.gamma -> bert_layers.3.attention_layer_norm.weight: " \
-           "checkpoint (767,), model (768,)" in msg  # fmt: skip
+    assert (
+        "bert.encoder.layer.3.attention.output.LayerNorm.gamma -> bert_layers.3.attention_layer_norm.weight: "
+        "checkpoint (767,), model (768,)" in msg
+    )
     assert "bert.encoder.layer.11.output.LayerNorm.beta -> bert_layers.11.out_layer_norm.bias: expected (768,)" in msg
     assert "bert.pooler.dense.bias -> pooler_dense.bias: expected (768,)" in msg
     assert "LayerNorm.weight" not in msg and "LayerNorm.bias" not in msg  # names this file does not use
@@ -332,8 +335,10 @@ def test_task_model_names_missing_encoder_tensor_in_a_bare_file(tmp_path, tiny_s
     _write(tmp_path, state)
     with pytest.raises(CheckpointError) as err:
         BertForSequenceClassification.from_pretrained(tmp_path)
-    assert "    encoder.layer.0.attention.self.query.bias -> bert.bert_layers.0.self_attention.query.bias: " \
-           "expected (32,)" in str(err.value)  # fmt: skip
+    assert (
+        "    encoder.layer.0.attention.self.query.bias -> bert.bert_layers.0.self_attention.query.bias: "
+        "expected (32,)" in str(err.value)
+    )
 
 
 def test_non_finite_tensor_named_as_in_a_legacy_file(tmp_path, tiny_state):
@@ -342,8 +347,10 @@ def test_non_finite_tensor_named_as_in_a_legacy_file(tmp_path, tiny_state):
     _write(tmp_path, state)
     with pytest.raises(CheckpointError) as err:
         BertModel.from_pretrained(tmp_path)
-    assert "has non-finite weights: bert.embeddings.LayerNorm.gamma -> embed_layer_norm.weight " \
-           "(1 of 32 values NaN/Inf)" in str(err.value)  # fmt: skip
+    assert (
+        "has non-finite weights: bert.embeddings.LayerNorm.gamma -> embed_layer_norm.weight "
+        "(1 of 32 values NaN/Inf)" in str(err.value)
+    )
     with pytest.warns(RuntimeWarning, match=r"non-finite weights: bert\.embeddings\.LayerNorm\.gamma -> "):
         BertModel.from_pretrained(tmp_path, check_finite="warn")
 
@@ -426,8 +433,10 @@ def _case(name: str) -> tuple[dict, str]:
     batch = random_batch(TINY["vocab_size"], B=3, T=9)
     ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
     cases = {
-        "id-too-large": ({**batch, "input_ids": ids.index_put((torch.tensor([1]), torch.tensor([2])),
-                          torch.tensor(99))}, r"input_ids contains 99, outside \[0, 99\)"),  # fmt: skip
+        "id-too-large": (
+            {**batch, "input_ids": ids.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(99))},
+            r"input_ids contains 99, outside \[0, 99\)",
+        ),
         "negative-id": ({**batch, "input_ids": ids.index_fill(1, torch.tensor([4]), -1)}, "input_ids contains -1"),
         "too-long": ({"input_ids": torch.ones(1, 65, dtype=torch.long)}, "sequence length 65 exceeds max_position"),
         "type-too-large": ({**batch, "token_type_ids": types + 2}, r"token_type_ids contains 3, outside \[0, 2\)"),
@@ -448,10 +457,23 @@ def _case(name: str) -> tuple[dict, str]:
 
 
 INPUT_CASES = [
-    "id-too-large", "negative-id", "too-long", "type-too-large", "negative-type", "float-types", "mask-short",
-    "mask-batch", "mask-4d", "types-shape", "empty-batch", "zero-length", "1-d-ids", "float-ids",
-    "position-too-large", "no-input",
-]  # fmt: skip
+    "id-too-large",
+    "negative-id",
+    "too-long",
+    "type-too-large",
+    "negative-type",
+    "float-types",
+    "mask-short",
+    "mask-batch",
+    "mask-4d",
+    "types-shape",
+    "empty-batch",
+    "zero-length",
+    "1-d-ids",
+    "float-ids",
+    "position-too-large",
+    "no-input",
+]
 
 
 @pytest.mark.parametrize("case", INPUT_CASES)
@@ -460,14 +482,14 @@ def test_bad_model_inputs_fail_before_any_kernel(tiny_model, monkeypatch, case):
     kernels = []
     for module in (torch.nn.Embedding, torch.nn.Linear, torch.nn.LayerNorm):
         original = module.forward
+
         def spy(self, *args, _forward=original, **kwargs):
             kernels.append(type(self).__name__)
             return _forward(self, *args, **kwargs)
 
         monkeypatch.setattr(module, "forward", spy)
-    with pytest.raises(ValueError, match=message):
-        with torch.no_grad():
-            tiny_model(**inputs)
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        tiny_model(**inputs)
     assert kernels == [], "a kernel ran before the input was rejected"
 
 
@@ -504,9 +526,8 @@ def test_bad_ids_on_cuda_are_value_errors_not_device_asserts():
     model = BertModel(BertConfig(**TINY)).cuda().eval()
     for case in INPUT_CASES:
         inputs, message = _case(case)
-        with pytest.raises(ValueError, match=message):
-            with torch.no_grad():
-                model(**{k: v.cuda() for k, v in inputs.items()})
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            model(**{k: v.cuda() for k, v in inputs.items()})
     batch = {k: v.cuda() for k, v in random_batch(TINY["vocab_size"]).items()}
     with torch.no_grad():
         out = model(**batch)

@@ -171,8 +171,10 @@ def test_loss_curve_matches_transformers_over_20_steps(minilm_path):
             losses.append(float(loss_sum) / 8)
         runs[name] = torch.tensor(losses, dtype=torch.float64)
     diff = (runs["ours"] - runs["hf"]).abs()
-    print(f"loss-curve |diff| over 20 steps: max {diff.max():.3e}, mean {diff.mean():.3e}; "
-          f"loss {runs['ours'][0]:.4f} -> {runs['ours'][-1]:.4f}")  # fmt: skip
+    print(
+        f"loss-curve |diff| over 20 steps: max {diff.max():.3e}, mean {diff.mean():.3e}; "
+        f"loss {runs['ours'][0]:.4f} -> {runs['ours'][-1]:.4f}"
+    )
     assert diff.max() <= LOSS_CURVE_ATOL
     assert runs["ours"][-5:].mean() < runs["ours"][:5].mean() - 0.05  # it did learn something
     expected = ref.state_dict()

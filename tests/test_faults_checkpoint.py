@@ -473,11 +473,37 @@ def sharded_dir(tmp_path) -> Path:
 
 @pytest.mark.parametrize(
     "shard",
-    [ckpt.SAFE_INDEX, "pytorch_model.bin.index.json", "", ".", "..", "sub/x.safetensors", "/abs.safetensors",
-     "a\x00b.safetensors", "config.json", "x" * 300 + ".safetensors", 5, ["x"], None],
-    ids=["itself", "other-index", "empty", "dot", "dotdot", "subdir", "absolute", "nul", "config", "too-long",
-         "int", "list", "null"],
-)  # fmt: skip
+    [
+        ckpt.SAFE_INDEX,
+        "pytorch_model.bin.index.json",
+        "",
+        ".",
+        "..",
+        "sub/x.safetensors",
+        "/abs.safetensors",
+        "a\x00b.safetensors",
+        "config.json",
+        "x" * 300 + ".safetensors",
+        5,
+        ["x"],
+        None,
+    ],
+    ids=[
+        "itself",
+        "other-index",
+        "empty",
+        "dot",
+        "dotdot",
+        "subdir",
+        "absolute",
+        "nul",
+        "config",
+        "too-long",
+        "int",
+        "list",
+        "null",
+    ],
+)
 def test_odd_shard_names_are_refused(sharded_dir, shard):
     index = json.loads((sharded_dir / ckpt.SAFE_INDEX).read_text())
     first = next(iter(index["weight_map"]))
@@ -604,9 +630,16 @@ def test_nul_in_a_path():
         ({"vocab.txt": "[UNK]\n[CLS]\n[SEP]\n", "tokenizer_config.json": "{"}, "not a valid tokenizer file"),
         ({"vocab.txt": b"\xff\xfe\x00"}, "not a valid tokenizer file"),
     ],
-    ids=["missing", "corrupt-json", "empty-json", "vocab-without-specials", "config-not-object", "config-not-json",
-         "vocab-not-utf8"],
-)  # fmt: skip
+    ids=[
+        "missing",
+        "corrupt-json",
+        "empty-json",
+        "vocab-without-specials",
+        "config-not-object",
+        "config-not-json",
+        "vocab-not-utf8",
+    ],
+)
 def test_bad_tokenizer_files(tmp_path, files, message):
     for name, content in files.items():
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())

@@ -24,10 +24,10 @@ import torch
 from conftest import TINY
 
 from bert_port import BertConfig, BertModel
+from bert_port.checkpoint import TEMPORARY
 from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
 from bert_port.data import DataError, load_texts
-from bert_port.checkpoint import TEMPORARY
 from bert_port.training import DETAIL_MAX_CLASSES, WORST_CLASSES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,8 +51,13 @@ def temporaries(out: Path) -> list[Path]:
 
 
 def _checkpoint(root: Path, minilm_path: Path, dropout: float, **config) -> Path:
-    config = {**TINY, "vocab_size": 30522, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout,
-              **config}  # fmt: skip
+    config = {
+        **TINY,
+        "vocab_size": 30522,
+        "hidden_dropout_prob": dropout,
+        "attention_probs_dropout_prob": dropout,
+        **config,
+    }
     torch.manual_seed(0)
     model = BertModel(BertConfig.from_dict(config))
     model.source_dir = minilm_path
@@ -87,9 +92,29 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 
 def args_for(data, ckpt, out, *extra) -> list:
-    return ["--checkpoint", ckpt, "--train", data["train"], "--validation", data["validation"], "--output-dir", out,
-            "--max-length", "16", "--batch-size", "8", "--epochs", "2", "--lr", "1e-3", "--warmup-steps", "2",
-            "--device", "cpu", *extra]  # fmt: skip
+    return [
+        "--checkpoint",
+        ckpt,
+        "--train",
+        data["train"],
+        "--validation",
+        data["validation"],
+        "--output-dir",
+        out,
+        "--max-length",
+        "16",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "2",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +151,12 @@ def assert_usage_error(main, argv, capsys, *messages: str) -> None:
 @pytest.mark.parametrize("value", ["-1", "0", "abc"])
 def test_predict_refuses_a_batch_size_that_is_not_positive(trained, data, tmp_path, capsys, value):
     out = tmp_path / "pred.csv"
-    assert_usage_error(predict_cli.main, ["--model", trained, "--input", data["validation"], "--output", out,
-                                          "--batch-size", value], capsys, "--batch-size")  # fmt: skip
+    assert_usage_error(
+        predict_cli.main,
+        ["--model", trained, "--input", data["validation"], "--output", out, "--batch-size", value],
+        capsys,
+        "--batch-size",
+    )
     assert not out.exists()
 
 
@@ -142,8 +171,20 @@ def test_predict_function_refuses_a_batch_size_that_would_leave_rows_unwritten(t
         predict(model, load_tokenizer(trained), TextDataset(texts=["a", "b"]), batch_size=-1)
 
 
-@pytest.mark.parametrize("case", ["max-length-1024", "max-length-2", "missing-input", "empty-input", "directory-input",
-                                  "output-is-input", "bad-device", "column-clash", "bad-output-format"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "max-length-1024",
+        "max-length-2",
+        "missing-input",
+        "empty-input",
+        "directory-input",
+        "output-is-input",
+        "bad-device",
+        "column-clash",
+        "bad-output-format",
+    ],
+)
 def test_predict_refuses_bad_input_with_exit_2(trained, data, tmp_path, capsys, case):
     src, out, extra = data["validation"], tmp_path / "pred.csv", []
     message = {
@@ -188,8 +229,12 @@ def test_predict_refuses_bad_input_with_exit_2(trained, data, tmp_path, capsys, 
 
 def test_predict_writes_every_row_with_finite_probabilities(trained, data, tmp_path):
     out = tmp_path / "pred.jsonl"
-    assert predict_cli.main(["--model", str(trained), "--input", str(data["validation"]), "--output", str(out),
-                             "--batch-size", "5"]) == 0  # fmt: skip
+    assert (
+        predict_cli.main(
+            ["--model", str(trained), "--input", str(data["validation"]), "--output", str(out), "--batch-size", "5"]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 12 and not temporaries(tmp_path)
     for row in rows:
@@ -209,8 +254,9 @@ def test_unterminated_quote_is_refused_not_swallowed(tmp_path, ckpt, data, capsy
     train.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     code = run_cli(*args_for({**data, "train": train}, ckpt, out))
-    assert_refused(code, capsys, f"{train}, line 6: a quoted field opened in the row starting on this line is never "
-                                 "closed")  # fmt: skip
+    assert_refused(
+        code, capsys, f"{train}, line 6: a quoted field opened in the row starting on this line is never closed"
+    )
     assert not out.exists()
 
 
@@ -227,16 +273,19 @@ def test_label_spanning_lines_is_refused(tmp_path, capsys, ckpt, data):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("stray-quote.csv", 'text,label\n"good"movie,pos\nbad,neg\n', 'line 2: malformed CSV'),
+        ("stray-quote.csv", 'text,label\n"good"movie,pos\nbad,neg\n', "line 2: malformed CSV"),
         ("dup.csv", "text,text,label\na,b,pos\nc,d,neg\n", "names column(s) 'text' more than once"),
-        ("float-label.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": 1.0}\n',
-         "line 2: the label column 'label' holds 1.0 (float); it must be a string or an integer"),
+        (
+            "float-label.jsonl",
+            '{"text": "a", "label": 1}\n{"text": "b", "label": 1.0}\n',
+            "line 2: the label column 'label' holds 1.0 (float); it must be a string or an integer",
+        ),
         ("list-text.jsonl", '{"text": ["a"], "label": 1}\n', "the text column 'text' holds [\"a\"] (list)"),
         ("bool-label.jsonl", '{"text": "a", "label": true}\n', "holds true (bool)"),
         ("deep.jsonl", "[" * 100000 + "\n", "line 1:"),
     ],
     ids=["stray-quote", "duplicate-header", "float-label", "list-text", "bool-label", "deep-json"],
-)  # fmt: skip
+)
 def test_malformed_files_raise_data_error(tmp_path, name, text, message):
     path = tmp_path / name
     path.write_text(text)
@@ -272,8 +321,12 @@ def test_field_over_128_kib_is_read_and_truncated_to_max_length(tmp_path, ckpt, 
 def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
     code = run_cli(*args_for(data, ckpt, out, "--max-length", "1024"))
-    assert_refused(code, capsys, "--max-length 1024 exceeds the model's max_position_embeddings (64)",
-                   "use --max-length 64 or less")  # fmt: skip
+    assert_refused(
+        code,
+        capsys,
+        "--max-length 1024 exceeds the model's max_position_embeddings (64)",
+        "use --max-length 64 or less",
+    )
     assert not out.exists()
 
 
@@ -306,7 +359,7 @@ def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_pat
         (["--label-column", "text"], "must name different columns"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else None,
-)  # fmt: skip
+)
 def test_nonsense_flags_are_refused_before_any_work(tmp_path, ckpt, data, capsys, extra, message):
     out = tmp_path / "out"
     assert_refused(run_cli(*args_for(data, ckpt, out), *extra), capsys, "invalid fine-tuning configuration", message)
@@ -315,8 +368,12 @@ def test_nonsense_flags_are_refused_before_any_work(tmp_path, ckpt, data, capsys
 
 @pytest.mark.parametrize("value", ["abc", "1e-3x", ""])
 def test_a_string_lr_on_the_command_line_is_a_usage_error(tmp_path, ckpt, data, capsys, value):
-    assert_usage_error(finetune_cli.main, args_for(data, ckpt, tmp_path / "out", "--lr", value), capsys,
-                       "argument --lr: invalid float value")  # fmt: skip
+    assert_usage_error(
+        finetune_cli.main,
+        args_for(data, ckpt, tmp_path / "out", "--lr", value),
+        capsys,
+        "argument --lr: invalid float value",
+    )
 
 
 @pytest.mark.parametrize(
@@ -329,7 +386,7 @@ def test_a_string_lr_on_the_command_line_is_a_usage_error(tmp_path, ckpt, data, 
         ({"train": 5}, "--train must be a non-empty string, got 5"),
         ({"lr": True}, "--lr must be a finite number > 0"),
     ],
-)  # fmt: skip
+)
 def test_wrong_types_in_a_config_file_are_refused(tmp_path, ckpt, data, capsys, settings, message):
     config = tmp_path / "c.json"
     config.write_text(json.dumps(settings))
@@ -460,16 +517,46 @@ def test_ten_thousand_classes_stay_bounded(tmp_path, minilm_path):
     406 MB training state, and took 13 minutes (a 10,000 x 10,000 confusion matrix per
     evaluation, kept in the history); after it, 0.86 GB, 0.3 MB, 4 MB and 20 s."""
     K = 10_000
-    ckpt = _checkpoint(tmp_path / "ckpt", minilm_path, 0.0, hidden_size=8, num_attention_heads=2,
-                       intermediate_size=16, num_hidden_layers=1)  # fmt: skip
+    ckpt = _checkpoint(
+        tmp_path / "ckpt",
+        minilm_path,
+        0.0,
+        hidden_size=8,
+        num_attention_heads=2,
+        intermediate_size=16,
+        num_hidden_layers=1,
+    )
     train = _csv(tmp_path / "train.csv", [(f"item {i}", f"c{i}") for i in range(K)])
     validation = _csv(tmp_path / "validation.csv", [(f"item {i}", f"c{i}") for i in range(0, K, 50)])
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bert_port.cli.finetune", "--checkpoint", ckpt, "--train", train, "--validation",
-           validation, "--output-dir", out, "--max-length", "8", "--batch-size", "2500", "--epochs", "2",
-           "--eval-batch-size", "200", "--lr", "1e-3", "--device", "cpu"]  # fmt: skip
-    proc = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          check=False)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bert_port.cli.finetune",
+        "--checkpoint",
+        ckpt,
+        "--train",
+        train,
+        "--validation",
+        validation,
+        "--output-dir",
+        out,
+        "--max-length",
+        "8",
+        "--batch-size",
+        "2500",
+        "--epochs",
+        "2",
+        "--eval-batch-size",
+        "200",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.run(
+        list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=600, cwd=REPO, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # bytes (Linux: KiB); max over children
     m = metrics_of(out)
@@ -522,8 +609,15 @@ CHILD = textwrap.dedent("""
 
 def _child(args: list, kill_at: int | None) -> subprocess.CompletedProcess:
     env = {**ENV, "KILL_AT_SAVE": str(kill_at or 0)}
-    return subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("kills", [3, pytest.param(8, marks=pytest.mark.slow)])
@@ -577,7 +671,6 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
     assert not temporaries(out)
     wa, wb = load_last(out)["model"], load_last(full)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wb)
-
 
 
 def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch):

@@ -69,22 +69,42 @@ def _tiny_checkpoint(root: Path, minilm_path: Path, dropout: float) -> Path:
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory, minilm_path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {"no_dropout": _tiny_checkpoint(root / "d0", minilm_path, 0.0),
-            "dropout": _tiny_checkpoint(root / "d1", minilm_path, 0.1)}  # fmt: skip
+    return {
+        "no_dropout": _tiny_checkpoint(root / "d0", minilm_path, 0.0),
+        "dropout": _tiny_checkpoint(root / "d1", minilm_path, 0.1),
+    }
 
 
 def tiny_args(sms_files, checkpoint, output_dir, *extra) -> list[str]:
     return [
-        "--checkpoint", checkpoint, "--train", sms_files["train"], "--validation", sms_files["validation"],
-        "--test", sms_files["test"], "--output-dir", output_dir, "--max-length", "32", "--batch-size", "8",
-        "--epochs", "2", "--lr", "1e-3", "--warmup-steps", "2", *extra,
-    ]  # fmt: skip
+        "--checkpoint",
+        checkpoint,
+        "--train",
+        sms_files["train"],
+        "--validation",
+        sms_files["validation"],
+        "--test",
+        sms_files["test"],
+        "--output-dir",
+        output_dir,
+        "--max-length",
+        "32",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "2",
+        *extra,
+    ]
 
 
 def assert_same_weights(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
+    for key, value in a.items():
+        torch.testing.assert_close(value, b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 # -----------------------------------------------------------------------------------------
@@ -107,9 +127,33 @@ def sms_run(tmp_path_factory, minilm_path) -> Path:
     write_texts(balanced(splits["train"], 96), root / "train.csv")
     write_texts(balanced(splits["validation"], 48), root / "validation.csv")
     out = root / "run"
-    assert run_cli("--checkpoint", minilm_path, "--train", root / "train.csv", "--validation", root / "validation.csv",
-                   "--output-dir", out, "--epochs", "1", "--batch-size", "8", "--max-length", "16", "--lr", "1.5e-4",
-                   "--warmup-steps", "2", "--eval-batch-size", "96", "--metric-for-best", "macro_f1") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "--checkpoint",
+            minilm_path,
+            "--train",
+            root / "train.csv",
+            "--validation",
+            root / "validation.csv",
+            "--output-dir",
+            out,
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "16",
+            "--lr",
+            "1.5e-4",
+            "--warmup-steps",
+            "2",
+            "--eval-batch-size",
+            "96",
+            "--metric-for-best",
+            "macro_f1",
+        )
+        == 0
+    )
     return out
 
 
@@ -118,8 +162,10 @@ def test_real_run_on_sms_spam_is_well_above_chance(sms_run):
     m = metrics_of(sms_run)
     validation = m["evaluations"][-1]["validation"]
     supports = [c["support"] for c in validation["per_class"].values()]
-    print(f"SMS validation: accuracy {validation['accuracy']:.4f}, macro-F1 {validation['macro_f1']:.4f}, "
-          f"confusion {m['best']['confusion']}")  # fmt: skip  (one evaluation: it is the best)
+    print(
+        f"SMS validation: accuracy {validation['accuracy']:.4f}, macro-F1 {validation['macro_f1']:.4f}, "
+        f"confusion {m['best']['confusion']}"
+    )  # one evaluation: it is the best
     assert supports == [48, 48]  # balanced: chance, and always answering one label, score 0.5
     # Measured 0.896 (5 errors each way); an untrained head stays near 0.5. 0.8 is far above
     # chance while leaving room for other BLAS libraries' rounding.
@@ -128,8 +174,16 @@ def test_real_run_on_sms_spam_is_well_above_chance(sms_run):
     assert m["status"] == "completed" and m["global_step"] == 24
     assert sum(s["loss"] for s in m["steps"][-6:]) < sum(s["loss"] for s in m["steps"][:6])
     # The outputs the issue asks for.
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "metrics.json",
-                 "training_curves.png", "training_config.json", "last-checkpoint.pt"):  # fmt: skip
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "vocab.txt",
+        "metrics.json",
+        "training_curves.png",
+        "training_config.json",
+        "last-checkpoint.pt",
+    ):
         assert (sms_run / name).is_file(), name
     assert (sms_run / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = json.loads((sms_run / "training_config.json").read_text())
@@ -196,8 +250,17 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
     assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2")) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = tiny_args(sms_files, ckpt, tmp_path / "ddp", "--device", "cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "bert_port.cli.finetune", *map(str, args)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "bert_port.cli.finetune",
+        *map(str, args),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = metrics_of(tmp_path / "one")
@@ -205,12 +268,18 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
     for other in ("accum", "ddp"):
         m = metrics_of(tmp_path / other)
         weights, reference = load_last(tmp_path / other)["model"], load_last(tmp_path / "one")["model"]
-        print(f"{other} vs one process: step-loss |diff| max "
-              f"{max(abs(a['loss'] - b['loss']) for a, b in zip(m['steps'], one['steps'])):.2e}, weight |diff| max "
-              f"{max(float((weights[k] - reference[k]).abs().max()) for k in reference):.2e}")  # fmt: skip
+        print(
+            f"{other} vs one process: step-loss |diff| max "
+            f"{max(abs(a['loss'] - b['loss']) for a, b in zip(m['steps'], one['steps'])):.2e}, weight |diff| max "
+            f"{max(float((weights[k] - reference[k]).abs().max()) for k in reference):.2e}"
+        )
         assert m["config"]["world_size"] == (2 if other == "ddp" else 1)
-        torch.testing.assert_close(torch.tensor([s["loss"] for s in m["steps"]]),
-                                   torch.tensor([s["loss"] for s in one["steps"]]), atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor([s["loss"] for s in m["steps"]]),
+            torch.tensor([s["loss"] for s in one["steps"]]),
+            atol=1e-5,
+            rtol=1e-5,
+        )
         for a, b in zip(m["evaluations"], one["evaluations"]):
             assert a["validation"]["per_class"] == b["validation"]["per_class"]
             assert abs(a["validation"]["loss"] - b["validation"]["loss"]) < 1e-5
@@ -243,8 +312,10 @@ def test_freeze_encoder_and_bf16_train_only_the_head(tmp_path, sms_files, tiny_c
     from bert_port.classifier import BertForSequenceClassification
 
     out = tmp_path / "frozen"
-    assert run_cli(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder",
-                              "--bf16")) == 0  # fmt: skip
+    assert (
+        run_cli(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder", "--bf16"))
+        == 0
+    )
     trained = BertForSequenceClassification.from_pretrained(out).state_dict()
     base = BertModel.from_pretrained(tiny_checkpoints["dropout"]).state_dict()
     assert_same_weights({k: trained["bert." + k] for k in base}, base, atol=0, rtol=0)
@@ -342,26 +413,46 @@ def _write(path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     "files, extra, message",
     [
-        ({"train": "text,sentiment\nhello,1\nbye,0\n"}, [],
-         "has no column 'label' (its columns: 'text', 'sentiment'); pass the right name with --label-column"),
+        (
+            {"train": "text,sentiment\nhello,1\nbye,0\n"},
+            [],
+            "has no column 'label' (its columns: 'text', 'sentiment'); pass the right name with --label-column",
+        ),
         ({"train": "message,label\nhello,1\nbye,0\n"}, [], "has no column 'text'"),
         ({"train": ""}, [], "is empty; it needs a header row"),
         ({"train": "text,label\n"}, [], "has no data rows"),
-        ({"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\nsup,c\nnah,c\n"}, [],
-         "the validation data has label(s) never seen in training: 'c' (2 row(s), first at line 3)"),
+        (
+            {"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\nsup,c\nnah,c\n"},
+            [],
+            "the validation data has label(s) never seen in training: 'c' (2 row(s), first at line 3)",
+        ),
         ({"train": "text,label\nhi,a\nyo,\n"}, [], "1 row(s) have an empty label column 'label' (line(s) 3)"),
         ({"train": "text,label\nhi,a\nyo,a\n"}, [], "every training example has the label 'a'"),
         ({"train.jsonl": '{"text": "hi", "label": 1}\nnot json\n'}, [], "line 2: not valid JSON"),
         ({"train.txt": "text,label\nhi,a\n"}, [], "unknown data format '.txt'"),
         ({}, ["--train", "nowhere.csv"], "does not exist"),
         ({}, [], "no training data: pass --train FILE"),
-        ({"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\n"},
-         ["--batch-size", "3", "--grad-accum-steps", "2"],
-         "batch_size 3 must be a multiple of grad_accum_steps x processes = 2 x 1"),
+        (
+            {"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\n"},
+            ["--batch-size", "3", "--grad-accum-steps", "2"],
+            "batch_size 3 must be a multiple of grad_accum_steps x processes = 2 x 1",
+        ),
     ],
-    ids=["missing-label-column", "missing-text-column", "empty-file", "header-only", "unseen-validation-label",
-         "empty-label", "one-label", "bad-jsonl", "bad-extension", "missing-file", "no-data", "indivisible-batch"],
-)  # fmt: skip
+    ids=[
+        "missing-label-column",
+        "missing-text-column",
+        "empty-file",
+        "header-only",
+        "unseen-validation-label",
+        "empty-label",
+        "one-label",
+        "bad-jsonl",
+        "bad-extension",
+        "missing-file",
+        "no-data",
+        "indivisible-batch",
+    ],
+)
 def test_bad_data_gives_a_clear_error(tmp_path, capsys, tiny_checkpoints, files, extra, message):
     args = ["--checkpoint", tiny_checkpoints["no_dropout"], "--output-dir", tmp_path / "out", "--max-length", "16"]
     for key, text in files.items():

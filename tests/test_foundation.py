@@ -114,8 +114,11 @@ def test_key_normalisation_layouts():
         "encoder.layer.11.output.LayerNorm.weight": t,
     }
     conv = hf_to_port(state)
-    assert sorted(conv.state_dict) == ["bert_layers.11.out_layer_norm.weight", "embed_layer_norm.bias",
-                                       "embed_layer_norm.weight"]  # fmt: skip
+    assert sorted(conv.state_dict) == [
+        "bert_layers.11.out_layer_norm.weight",
+        "embed_layer_norm.bias",
+        "embed_layer_norm.weight",
+    ]
     assert conv.dropped == ["cls.predictions.bias"]
 
 

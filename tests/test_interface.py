@@ -300,7 +300,7 @@ def test_output_is_a_mapping_with_attributes_and_positions():
     assert out["pooler_output"] is out.pooler_output
     assert out[0] is out.last_hidden_state and out[1] is out.pooler_output and len(out.to_tuple()) == 2
     with pytest.raises(AttributeError):
-        out.logits
+        _ = out.logits
 
 
 @pytest.mark.parametrize("attn", ATTNS)
@@ -514,8 +514,16 @@ def test_bert_layer_stack_learns_a_toy_task():
     """Two BertLayers learn to output, at position 0, the mean of feature 0 over the real
     tokens, with noisy padding that the mask must hide."""
     torch.manual_seed(0)
-    config = BertConfig.from_dict(dict(TINY, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))  # fmt: skip
+    config = BertConfig.from_dict(
+        dict(
+            TINY,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
     stack = torch.nn.ModuleList([BertLayer(config) for _ in range(2)])
     head = torch.nn.Linear(16, 1)
     params = [*stack.parameters(), *head.parameters()]

@@ -53,13 +53,16 @@ def test_main_passes_on_bundled_checkpoint(passing_run, minilm_path, hf_referenc
     assert "transformers.BertModel.from_pretrained read" in report["meta"]["reference"]
     assert report["passed"] is True
     assert [(r["device"], r["dtype"], r["status"]) for r in report["rows"]] == [
-        ("cpu", "float32", "PASS"), ("cpu", "bfloat16", "PASS"),
-    ]  # fmt: skip
+        ("cpu", "float32", "PASS"),
+        ("cpu", "bfloat16", "PASS"),
+    ]
     fp32 = report["rows"][0]
     names = [s["name"] for s in fp32["sites"]]
     assert names == ["embeddings"] + [f"layer {i}" for i in range(6)] + [
-        "last_hidden_state", "pooler_output", "pad positions",
-    ]  # fmt: skip
+        "last_hidden_state",
+        "pooler_output",
+        "pad positions",
+    ]
     assert fp32["tolerance"] == TOL[torch.float32]  # the policy, not a number of the CLI's own
     for site in fp32["sites"]:
         assert site["passed"] and site["spread"] is not None and site["ours"]["elements"] > 0, site
@@ -188,18 +191,32 @@ def test_texts_file_with_pairs(tmp_path, minilm_path, capsys):
     texts = tmp_path / "texts.tsv"
     texts.write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert parity.read_texts_file(texts)[1] == ("A man is playing a guitar.", "Someone is making music.")
-    batches = parity.build_batches(load_tokenizer(minilm_path), parity.read_texts_file(texts), batch_size=2,
-                                   max_length=32, adversarial=False)  # fmt: skip
+    batches = parity.build_batches(
+        load_tokenizer(minilm_path), parity.read_texts_file(texts), batch_size=2, max_length=32, adversarial=False
+    )
     assert [(b.name, b.rows) for b in batches] == [("texts 1-2", 2), ("pairs 1-2", 2), ("pairs 3-3", 1)]
     assert int(batches[1].inputs["token_type_ids"].max()) == 1  # second segments are type 1
 
     out = tmp_path / "r.json"
-    code = parity_cli.main(FAST + ["--dtype", "float32", "--texts-file", str(texts), "--batch-size", "2",
-                                   "--no-adversarial", "--attn", "eager", "--json", str(out)])  # fmt: skip
+    code = parity_cli.main(
+        FAST
+        + [
+            "--dtype",
+            "float32",
+            "--texts-file",
+            str(texts),
+            "--batch-size",
+            "2",
+            "--no-adversarial",
+            "--attn",
+            "eager",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert [(b["name"], b["rows"]) for b in report["batches"]] == [("texts 1-2", 2), ("pairs 1-2", 2),
-                                                                   ("pairs 3-3", 1)]  # fmt: skip
+    assert [(b["name"], b["rows"]) for b in report["batches"]] == [("texts 1-2", 2), ("pairs 1-2", 2), ("pairs 3-3", 1)]
     assert "5 examples from" in report["meta"]["inputs"] and "(3 pairs)" in report["meta"]["inputs"]
     assert report["meta"]["attention"].startswith("eager on both sides")
 
@@ -225,8 +242,9 @@ def test_weights_file_and_ddp_layout(tmp_path, minilm_path, capsys):
         (tmp_path / "ddp.safetensors", "given the port's weights via hf_state_dict() (strict)"),
     ]:
         out = tmp_path / "r.json"
-        code = parity_cli.main(base + ["--checkpoint", str(checkpoint), "--tokenizer", str(minilm_path),
-                                       "--json", str(out)])  # fmt: skip
+        code = parity_cli.main(
+            base + ["--checkpoint", str(checkpoint), "--tokenizer", str(minilm_path), "--json", str(out)]
+        )
         assert code == 0, capsys.readouterr().out
         assert expected in json.loads(out.read_text())["meta"]["reference"]
 
@@ -256,8 +274,23 @@ def test_checkpoint_without_pooler(tmp_path, minilm_path, capsys):
     (tmp_path / "config.json").write_text((minilm_path / "config.json").read_text())
     save_file({k: v for k, v in state.items() if not k.startswith("pooler.")}, str(tmp_path / "model.safetensors"))
     out = tmp_path / "r.json"
-    code = parity_cli.main(["--checkpoint", str(tmp_path), "--tokenizer", str(minilm_path), "--dtype", "float32",
-                            "--device", "cpu", "--max-length", "16", "--no-progress", "--json", str(out)])  # fmt: skip
+    code = parity_cli.main(
+        [
+            "--checkpoint",
+            str(tmp_path),
+            "--tokenizer",
+            str(minilm_path),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-length",
+            "16",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     assert "pooler_output is not compared" in report["meta"]["note"]
@@ -308,8 +341,10 @@ def test_gpu_cli_matrix_and_broken_port(monkeypatch, tmp_path, capsys):
     assert parity_cli.main(["--device", "cuda", "--no-progress", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(r["dtype"], r["status"]) for r in report["rows"]] == [
-        ("float32", "PASS"), ("bfloat16", "PASS"), ("float16", "PASS"),
-    ]  # fmt: skip
+        ("float32", "PASS"),
+        ("bfloat16", "PASS"),
+        ("float16", "PASS"),
+    ]
     print(capsys.readouterr().out)
 
     original = parity_cli.load_port

@@ -110,9 +110,14 @@ def test_architecture_mismatch_exits_2(minilm_path, tmp_path, capsys):
     code, text, report = _run(["--checkpoint", str(minilm_path), "--reference-checkpoint", str(tiny)], tmp_path, capsys)
     assert code == 2 and report is None
     assert "describe different architectures" in text
-    for difference in ["vocab_size 30522 vs 99", "hidden_size 384 vs 32", "num_hidden_layers 6 vs 2",
-                       "num_attention_heads 12 vs 4", "intermediate_size 1536 vs 37",
-                       "max_position_embeddings 512 vs 64"]:  # fmt: skip
+    for difference in [
+        "vocab_size 30522 vs 99",
+        "hidden_size 384 vs 32",
+        "num_hidden_layers 6 vs 2",
+        "num_attention_heads 12 vs 4",
+        "intermediate_size 1536 vs 37",
+        "max_position_embeddings 512 vs 64",
+    ]:
         assert difference in text, difference
     assert "type_vocab_size" not in text  # equal fields are not listed
 

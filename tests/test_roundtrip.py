@@ -160,8 +160,16 @@ def test_sharded_save_loads_in_transformers_and_port(tmp_path):
 def test_config_keeps_every_field_it_read(tmp_path):
     raw = json.loads((CONFIGS / "bert-base-uncased.json").read_text())
     raw.update(TINY)  # tiny sizes, every other field of the real config
-    raw.update({"_name_or_path": "someone/tiny", "torch_dtype": "float32", "num_labels": 3, "problem_type": None,
-                "custom_field": {"nested": [1, 2.5, None]}, "id2label": {"0": "a", "1": "b", "2": "c"}})  # fmt: skip
+    raw.update(
+        {
+            "_name_or_path": "someone/tiny",
+            "torch_dtype": "float32",
+            "num_labels": 3,
+            "problem_type": None,
+            "custom_field": {"nested": [1, 2.5, None]},
+            "id2label": {"0": "a", "1": "b", "2": "c"},
+        }
+    )
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(raw))
@@ -376,14 +384,22 @@ def test_model_id_found_in_hf_cache(tmp_path, monkeypatch, no_network, variable)
         "HOME": tmp_path / "home" / ".cache" / "huggingface" / "hub",
     }[variable]
     if variable != "HOME":
-        monkeypatch.setenv(variable, str(cache.parent.parent if variable == "XDG_CACHE_HOME" else
-                                         cache.parent if variable == "HF_HOME" else cache))  # fmt: skip
+        monkeypatch.setenv(
+            variable,
+            str(
+                cache.parent.parent
+                if variable == "XDG_CACHE_HOME"
+                else cache.parent
+                if variable == "HF_HOME"
+                else cache
+            ),
+        )
     monkeypatch.chdir(tmp_path)  # "bert-base-uncased" is no local path here
 
     old, new = hf_model(TINY), hf_model({**TINY, "initializer_range": 0.5})
     for name, model in (("old", old), ("new", new)):
         _port_from_hf(model, TINY).save_pretrained(tmp_path / name)
-    files = lambda d: {n: tmp_path / d / n for n in ("config.json", "model.safetensors")}  # noqa: E731
+    files = lambda d: {n: tmp_path / d / n for n in ("config.json", "model.safetensors")}
     _add_to_cache(cache, "bert-base-uncased", files("old"), "a" * 40, ref=None)  # an older snapshot
     snapshot = _add_to_cache(cache, "bert-base-uncased", files("new"), "b" * 40)
 

@@ -82,9 +82,7 @@ def mr_batches(tokenizer, n: int, batch_size: int, seed: int, device: torch.devi
 
     texts = read_mr_texts()
     rng = random.Random(seed)
-    return [
-        {k: v.to(device) for k, v in encode(tokenizer, rng.sample(texts, batch_size)).items()} for _ in range(n)
-    ]
+    return [{k: v.to(device) for k, v in encode(tokenizer, rng.sample(texts, batch_size)).items()} for _ in range(n)]
 
 
 # -- FLOPs and rooflines ------------------------------------------------------------------
@@ -284,9 +282,9 @@ def section_import(reps: int) -> dict[str, Any]:
     log("\n## import time (fresh processes; torch imported first and timed apart)")
     runs = {"port": [], "transformers": []}
     for _ in progress(range(reps), "import"):
-        for kind in runs:
+        for kind, rows in runs.items():
             out = subprocess.run([sys.executable, "-c", IMPORT_CODE, kind], capture_output=True, text=True, check=True)
-            runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     result = {}
     for kind, rows in runs.items():
         result[kind] = {
@@ -303,8 +301,10 @@ def section_import(reps: int) -> dict[str, Any]:
 
 
 def section_roofline(device: torch.device, quick: bool) -> dict[str, float]:
-    log("\n## matmul speed (best of 3, square n x n x n); the roofline of each table below is instead the "
-        "model's own FFN matmul, timed inside its interleaved loop")
+    log(
+        "\n## matmul speed (best of 3, square n x n x n); the roofline of each table below is instead the "
+        "model's own FFN matmul, timed inside its interleaved loop"
+    )
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     result = {"fp32": matmul_gflops(torch.float32, device, n)}
     # bf16 without hardware support is ~25x slower than fp32: a smaller matrix keeps it short.
@@ -371,9 +371,15 @@ def throughput_rows(
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     padded = sum(b["attention_mask"].numel() for b in batches)
     flops = sum(model_flops(ours.config, b["attention_mask"]) for b in batches)
-    result: dict[str, Any] = {"real_tokens_per_pass": tokens, "padded_tokens_per_pass": padded,
-                              "padding_fraction": 1 - tokens / padded, "model_gflop_per_pass": flops / 1e9,
-                              "batches_per_pass": len(batches), "reps": args.reps, "rows": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "real_tokens_per_pass": tokens,
+        "padded_tokens_per_pass": padded,
+        "padding_fraction": 1 - tokens / padded,
+        "model_gflop_per_pass": flops / 1e9,
+        "batches_per_pass": len(batches),
+        "reps": args.reps,
+        "rows": {},
+    }
     reference_fp32 = build_variants(ours, ref, "fp32", device)["transformers"]
     for precision in precisions:
         variants = build_variants(ours, ref, precision, device, compiled)
@@ -381,8 +387,11 @@ def throughput_rows(
         if precision != "fp32":
             timed["transformers fp32"] = reference_fp32
         probe_dtype = PRECISIONS[precision] or torch.float32
-        probe_shape = (max(256, int(batches[0]["attention_mask"].sum())), ours.config.hidden_size,
-                       ours.config.intermediate_size)  # fmt: skip
+        probe_shape = (
+            max(256, int(batches[0]["attention_mask"].sum())),
+            ours.config.hidden_size,
+            ours.config.intermediate_size,
+        )
         timed["matmul"], probe_flops = _roofline_probe(
             device, probe_dtype, probe_shape, variants["transformers"], batches[0]
         )
@@ -405,21 +414,28 @@ def throughput_rows(
                 "roofline_fraction": statistics.median(a / m for a, m in zip(achieved, matmul)),
                 "max_abs_diff_vs_transformers_fp32": diffs[name],
             }
-        result["rows"][precision] = {"matmul_gflops_during_run": statistics.median(matmul),
-                                     "matmul_probe_shape": probe_shape, "variants": rows}  # fmt: skip
+        result["rows"][precision] = {
+            "matmul_gflops_during_run": statistics.median(matmul),
+            "matmul_probe_shape": probe_shape,
+            "variants": rows,
+        }
         _print_rows(f"{title}, {precision}" + ("" if precision == "fp32" else " autocast"), rows, precision)
     return result
 
 
 def _print_rows(title: str, rows: dict[str, dict], precision: str) -> None:
     log(f"\n{title}")
-    log("| variant | real tokens/s | ms/pass | x transformers (same precision) | x transformers fp32 "
-        "| % matmul roofline | max abs diff vs transformers fp32 |")  # fmt: skip
+    log(
+        "| variant | real tokens/s | ms/pass | x transformers (same precision) | x transformers fp32 "
+        "| % matmul roofline | max abs diff vs transformers fp32 |"
+    )
     log("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        log(f"| {name} | {r['tokens_per_s']:.0f} | {r['median_s'] * 1e3:.0f} | "
+        log(
+            f"| {name} | {r['tokens_per_s']:.0f} | {r['median_s'] * 1e3:.0f} | "
             f"{r['vs_transformers_same_precision']:.2f} | {r['vs_transformers_fp32']:.2f} | "
-            f"{100 * r['roofline_fraction']:.0f}% | {r['max_abs_diff_vs_transformers_fp32']:.2e} |")  # fmt: skip
+            f"{100 * r['roofline_fraction']:.0f}% | {r['max_abs_diff_vs_transformers_fp32']:.2e} |"
+        )
 
 
 def section_real_text(args, device: torch.device, precisions: list[str]) -> dict[str, Any]:
@@ -432,8 +448,10 @@ def section_real_text(args, device: torch.device, precisions: list[str]) -> dict
     n_batches = 2 if args.quick else args.batches
     batches = mr_batches(load_tokenizer(path), n_batches, args.batch_size, args.seed, device)
     lens = torch.cat([b["attention_mask"].sum(1) for b in batches]).float()
-    log(f"\n## real text: all-MiniLM-L6-v2 on {n_batches} random batches of {args.batch_size} MR sentences "
-        f"(real length mean {lens.mean():.1f}, max {lens.max():.0f}), {args.reps} interleaved repetitions")  # fmt: skip
+    log(
+        f"\n## real text: all-MiniLM-L6-v2 on {n_batches} random batches of {args.batch_size} MR sentences "
+        f"(real length mean {lens.mean():.1f}, max {lens.max():.0f}), {args.reps} interleaved repetitions"
+    )
     ours = BertModel.from_pretrained(path, device=device)
     ref = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").to(device).eval()
     compiled = _compiled_layer(args, ours, batches, device)
@@ -476,8 +494,10 @@ def section_fixed(args, device: torch.device, precisions: list[str]) -> dict[str
     if args.quick:
         config["num_hidden_layers"] = 2
     shapes = [(8, 128), (1, 512)] if not args.quick else [(2, 128), (1, 512)]
-    log(f"\n## fixed length: bert-base-uncased shape ({config['num_hidden_layers']} layers), random weights, "
-        f"no padding, {args.reps} interleaved repetitions")  # fmt: skip
+    log(
+        f"\n## fixed length: bert-base-uncased shape ({config['num_hidden_layers']} layers), random weights, "
+        f"no padding, {args.reps} interleaved repetitions"
+    )
     hf_config = transformers.BertConfig(**config)
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
@@ -537,8 +557,10 @@ def section_load(args) -> dict[str, Any]:
     from bert_port.assets import minilm_dir
 
     reps = 1 if args.quick else args.load_reps
-    log(f"\n## checkpoint load (fresh process per load, {reps} alternating repetitions after one warm-up each; "
-        "page cache warm)")  # fmt: skip
+    log(
+        f"\n## checkpoint load (fresh process per load, {reps} alternating repetitions after one warm-up each; "
+        "page cache warm)"
+    )
     checkpoints = {"all-MiniLM-L6-v2": str(minilm_dir())}
     result = {}
     with tempfile.TemporaryDirectory(prefix="bert-port-bench-") as tmp:
@@ -547,24 +569,28 @@ def section_load(args) -> dict[str, Any]:
         for name, path in checkpoints.items():
             runs = {"port": [], "transformers": []}
             for i in progress(range(reps + 1), f"load {name}"):
-                for kind in runs:
+                for kind, rows in runs.items():
                     out = subprocess.run([sys.executable, "-c", LOAD_CODE, kind, path], capture_output=True, text=True)
                     if out.returncode:
                         raise RuntimeError(f"loading {path} with {kind} failed:\n{out.stderr[-2000:]}")
                     if i:  # the first round warms the page cache
-                        runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             result[name] = {kind: _load_summary(rows) for kind, rows in runs.items()}
-    log("| checkpoint | loader | load s (median) | peak RSS during load MiB (VmHWM) | of which the load "
-        "MiB | RSS after one forward MiB |\n|---|---|---|---|---|---|")  # fmt: skip
+    log(
+        "| checkpoint | loader | load s (median) | peak RSS during load MiB (VmHWM) | of which the load "
+        "MiB | RSS after one forward MiB |\n|---|---|---|---|---|---|"
+    )
     for name, r in result.items():
         for kind, s in r.items():
-            log(f"| {name} | {kind} | {s['load_s']:.3f} | {s['peak_rss_mib']:.0f} | {s['peak_minus_before_mib']:.0f} "
-                f"| {s['rss_after_forward_mib']:.0f} |")  # fmt: skip
+            log(
+                f"| {name} | {kind} | {s['load_s']:.3f} | {s['peak_rss_mib']:.0f} | {s['peak_minus_before_mib']:.0f} "
+                f"| {s['rss_after_forward_mib']:.0f} |"
+            )
     return result
 
 
 def _load_summary(rows: list[dict]) -> dict[str, float]:
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    med = lambda k: statistics.median(r[k] for r in rows)
     return {
         "load_s": med("load_s"),
         "peak_rss_mib": med("peak_rss_kib") / 1024,
@@ -598,8 +624,10 @@ def section_finetune(args, device: torch.device) -> dict[str, Any] | None:
     path = minilm_dir()
     n = 1 if args.quick else min(args.batches, 4)
     reps = 1 if args.quick else max(2, args.reps // 2)
-    log(f"\n## fine-tuning step: MiniLM + classification head, AdamW, {n} MR batches of {args.batch_size}, "
-        f"{reps} interleaved repetitions (forward + backward + optimizer step)")  # fmt: skip
+    log(
+        f"\n## fine-tuning step: MiniLM + classification head, AdamW, {n} MR batches of {args.batch_size}, "
+        f"{reps} interleaved repetitions (forward + backward + optimizer step)"
+    )
     texts, labels = read_mr_labelled()
     rng = random.Random(args.seed)
     tok = load_tokenizer(path)
@@ -641,8 +669,11 @@ def section_finetune(args, device: torch.device) -> dict[str, Any] | None:
     }
     times = interleave(variants, batches, reps, device, "finetune", seed=args.seed)
     rows = {
-        name: {"seconds_per_pass": ts, "step_ms": 1e3 * statistics.median(ts) / n,
-               "time_vs_transformers": 1 / ratio(times["transformers"], ts)}  # fmt: skip
+        name: {
+            "seconds_per_pass": ts,
+            "step_ms": 1e3 * statistics.median(ts) / n,
+            "time_vs_transformers": 1 / ratio(times["transformers"], ts),
+        }
         for name, ts in times.items()
     }
     log(f"logits max abs diff vs transformers (eval mode, before training): {diff:.2e}")
@@ -660,8 +691,22 @@ CATEGORIES = [
     ("layernorm", ("layer_norm",)),
     ("gelu/tanh", ("gelu", "tanh")),
     ("elementwise (add/mul/where)", ("aten::add", "aten::mul", "aten::where", "masked_fill", "aten::div")),
-    ("gather/scatter/copies", ("index_select", "index_copy", "index_put", "copy_", "aten::cat", "clone", "zeros",
-                               "fill_", "contiguous", "nonzero", "embedding")),  # fmt: skip
+    (
+        "gather/scatter/copies",
+        (
+            "index_select",
+            "index_copy",
+            "index_put",
+            "copy_",
+            "aten::cat",
+            "clone",
+            "zeros",
+            "fill_",
+            "contiguous",
+            "nonzero",
+            "embedding",
+        ),
+    ),
 ]
 
 
@@ -721,14 +766,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8, help="MR batches per repetition (default 8)")
     parser.add_argument("--batch-size", type=int, default=32, help="MR sentences per batch (default 32)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                        help="bf16 model rows: auto runs them only where bf16 matmuls are native (default auto)")  # fmt: skip
+    parser.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 model rows: auto runs them only where bf16 matmuls are native (default auto)",
+    )
     parser.add_argument("--compile", action="store_true", help="also time the port with its layers under torch.compile")
     parser.add_argument("--profile", action="store_true", help="profile port vs transformers on the MR batches")
     parser.add_argument("--profile-dir", default=None, help="write chrome traces of the profile here")
     parser.add_argument("--load-reps", type=int, default=3, help="repetitions of each checkpoint load (default 3)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "import,roofline,real,fixed,load,finetune")  # fmt: skip
+    parser.add_argument(
+        "--skip", default="", help="comma-separated sections to skip: import,roofline,real,fixed,load,finetune"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for batch sampling and random weights")
     parser.add_argument("--json", default=None, help="write every figure (and raw timings) to this JSON file")
     args = parser.parse_args(argv)
@@ -737,8 +787,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: --device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -755,19 +807,23 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"machine": machine_info(device), "settings": vars(args).copy()}
     m = results["machine"]
-    log(f"# bert_port benchmark\nmachine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} "
+    log(
+        f"# bert_port benchmark\nmachine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} "
         f"({m['cpu_capability']}, {m['torch_threads']} threads), device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; load average at start {m['loadavg_start'][0]:.2f}. Other processes share this machine: "
-        "compare the ratios (measured interleaved), not the absolute figures.")  # fmt: skip
+        "compare the ratios (measured interleaved), not the absolute figures."
+    )
 
     precisions = ["fp32"]
     native_half = bf16_matmul_is_fast(device)
     if args.bf16 == "on" or (args.bf16 == "auto" and native_half):
         precisions.append("bf16")
     elif args.bf16 == "auto":
-        log("bf16 model rows skipped: this CPU has no native bf16 matmul (no AVX512-BF16/AMX), so torch emulates "
-            "it far slower than fp32 (see the roofline); pass --bf16 on to time them anyway.")  # fmt: skip
+        log(
+            "bf16 model rows skipped: this CPU has no native bf16 matmul (no AVX512-BF16/AMX), so torch emulates "
+            "it far slower than fp32 (see the roofline); pass --bf16 on to time them anyway."
+        )
     if device.type == "cuda":
         precisions.append("fp16")
 

@@ -36,9 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast floating weights (default keep)")
     parser.add_argument(
-        "--check-finite", choices=["error", "warn", "ignore"], default="error",
+        "--check-finite",
+        choices=["error", "warn", "ignore"],
+        default="error",
         help="what NaN/Inf weights do: fail (default), warn, or pass silently",
-    )  # fmt: skip
+    )
     parser.add_argument("--config-file", default=None, help="config.json to use when SRC is a bare weights file")
     parser.add_argument("--revision", default="main", help="cache ref or commit when SRC is a model id")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
@@ -91,8 +93,10 @@ def convert(args: argparse.Namespace) -> int:
         return 2
     existing = _holds_checkpoint(dst)
     if existing and not args.overwrite:
-        print(f"error: {dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it",
+            file=sys.stderr,
+        )
         return 2
     ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
 
@@ -122,10 +126,14 @@ def convert(args: argparse.Namespace) -> int:
     out_files = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
     print(f"source:    {files.weights_file}")
     print(f"config:    {files.config_file}")
-    print(f"model:     {type(model).__name__} ({config.num_hidden_layers} layers, hidden {config.hidden_size})"
-          + ("" if getattr(model, "add_pooling_layer", True) else ", no pooler in the checkpoint"))  # fmt: skip
-    print(f"renamed:   {len(renamed)} keys ({len(legacy)} legacy LayerNorm gamma/beta -> weight/bias, "
-          f"{len(prefixed)} with a wrapper prefix stripped)")  # fmt: skip
+    print(
+        f"model:     {type(model).__name__} ({config.num_hidden_layers} layers, hidden {config.hidden_size})"
+        + ("" if getattr(model, "add_pooling_layer", True) else ", no pooler in the checkpoint")
+    )
+    print(
+        f"renamed:   {len(renamed)} keys ({len(legacy)} legacy LayerNorm gamma/beta -> weight/bias, "
+        f"{len(prefixed)} with a wrapper prefix stripped)"
+    )
     dropped, buffers = info["dropped"], info["buffers"]
     print(f"dropped:   {len(dropped)} pretraining-head tensors" + (f": {_names(dropped)}" if dropped else ""))
     print(f"skipped:   {len(buffers)} buffers" + (f": {_names(buffers)}" if buffers else ""))

@@ -21,8 +21,14 @@ import time
 # (flag, type, help): one line per FinetuneConfig field. bool fields get --flag/--no-flag.
 OPTIONS = [
     ("checkpoint", str, "checkpoint directory or model id in the local HF cache (default: bundled all-MiniLM-L6-v2)"),
-    ("reference", str, "'port' (bert_port, default) or 'hf' (transformers' BertForSequenceClassification, same "
-                       "loop and initial weights)"),
+    (
+        "reference",
+        str,
+        (
+            "'port' (bert_port, default) or 'hf' (transformers' BertForSequenceClassification, same "
+            "loop and initial weights)"
+        ),
+    ),
     ("attn_implementation", str, "'sdpa' (default) or 'eager' attention"),
     ("classifier_dropout", float, "dropout before the classifier head (default: the config's, else hidden dropout)"),
     ("dataset", str, "bundled dataset instead of files: 'mr' (movie-review sentences) or 'sms' (SMS spam)"),
@@ -37,8 +43,11 @@ OPTIONS = [
     ("max_length", int, "tokens per example; longer ones are truncated (default 128)"),
     ("epochs", int, "passes over the training data (default 3)"),
     ("max_steps", int, "stop after N optimiser steps; the schedule ends there too"),
-    ("batch_size", int, "global batch: examples per optimiser step, summed over accumulation and processes "
-                        "(default 32)"),
+    (
+        "batch_size",
+        int,
+        "global batch: examples per optimiser step, summed over accumulation and processes (default 32)",
+    ),
     ("grad_accum_steps", int, "micro-batches per optimiser step (default 1)"),
     ("eval_batch_size", int, "evaluation batch per process (default 64)"),
     ("lr", float, "peak learning rate (default 5e-5)"),
@@ -60,7 +69,7 @@ OPTIONS = [
     ("stop_after_steps", int, "stop after N steps as if interrupted, keeping the full schedule; --resume later"),
     ("device", str, "'auto' (default: CUDA if present), 'cpu', 'cuda' or 'cuda:N'"),
     ("compare_to", str, "another run's output dir: report the per-step loss difference and plot both"),
-]  # fmt: skip
+]
 
 
 CHOICES = {
@@ -107,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     from bert_port.training import FinetuneError, finetune
 
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     t0 = time.perf_counter()
     try:
         cfg = resolve_config(args)
@@ -137,37 +149,49 @@ def main(argv: list[str] | None = None) -> int:
 def report(metrics: dict, wall_s: float) -> str:
     cfg = metrics["config"]
     lines = [
-        f"{metrics['name']}: {metrics['status']} after {metrics['global_step']} steps "
-        f"({metrics['epochs_completed']:g} epochs of {cfg['steps_per_epoch']} steps, global batch {cfg['batch_size']}, "
-        f"{cfg['world_size']} process(es) on {cfg['device']})",
+        (
+            f"{metrics['name']}: {metrics['status']} after {metrics['global_step']} steps "
+            f"({metrics['epochs_completed']:g} epochs of {cfg['steps_per_epoch']} steps, global batch {cfg['batch_size']}, "
+            f"{cfg['world_size']} process(es) on {cfg['device']})"
+        ),
         "  data: {train} train / {validation} validation / {test} test, ".format(**cfg["sizes"])
         + f"labels {metrics['labels']}",
-        f"  time: {wall_s:.1f} s wall, {metrics['train_time_s']:.1f} s in training steps "
-        f"({metrics['train_examples_per_s']} examples/s)",
+        (
+            f"  time: {wall_s:.1f} s wall, {metrics['train_time_s']:.1f} s in training steps "
+            f"({metrics['train_examples_per_s']} examples/s)"
+        ),
     ]
     for e in metrics["evaluations"]:
         v = e["validation"]
         train_loss = f"{e['train_loss']:.4f}" if e["train_loss"] is not None else "-"
-        lines.append(f"  epoch {e['epoch']} (step {e['step']}): train loss {train_loss}  validation loss "
-                     f"{v['loss']:.4f}  accuracy {v['accuracy']:.4f}  macro-F1 {v['macro_f1']:.4f}")  # fmt: skip
+        lines.append(
+            f"  epoch {e['epoch']} (step {e['step']}): train loss {train_loss}  validation loss "
+            f"{v['loss']:.4f}  accuracy {v['accuracy']:.4f}  macro-F1 {v['macro_f1']:.4f}"
+        )
     if metrics["best"]:
         b = metrics["best"]
         lines.append(f"  best: epoch {b['epoch']} (step {b['step']}), validation {b['metric']} {b['value']:.4f}")
     if metrics.get("test"):
         t = metrics["test"]
-        lines.append(f"  test (best checkpoint, n={t['n']}): loss {t['loss']:.4f}  accuracy {t['accuracy']:.4f}  "
-                     f"macro-F1 {t['macro_f1']:.4f}")  # fmt: skip
+        lines.append(
+            f"  test (best checkpoint, n={t['n']}): loss {t['loss']:.4f}  accuracy {t['accuracy']:.4f}  "
+            f"macro-F1 {t['macro_f1']:.4f}"
+        )
     if metrics.get("comparison"):
         c = metrics["comparison"]
         other_test = (c["test"]["other"] or {}).get("accuracy")
-        lines.append(f"  vs {c['other']}: per-step train loss |diff| max {c['max_abs_loss_diff']:.3e}, mean "
-                     f"{c['mean_abs_loss_diff']:.3e} over {c['steps_compared']} steps (max over the first 20: "
-                     f"{c['max_abs_loss_diff_first_20']:.3e}); other run's test accuracy "
-                     f"{other_test if other_test is None else f'{other_test:.4f}'}")  # fmt: skip
+        lines.append(
+            f"  vs {c['other']}: per-step train loss |diff| max {c['max_abs_loss_diff']:.3e}, mean "
+            f"{c['mean_abs_loss_diff']:.3e} over {c['steps_compared']} steps (max over the first 20: "
+            f"{c['max_abs_loss_diff_first_20']:.3e}); other run's test accuracy "
+            f"{other_test if other_test is None else f'{other_test:.4f}'}"
+        )
     if metrics["status"] == "stopped":
         lines.append("  stopped early: continue with the same command plus --resume")
-    lines.append(f"  output: {metrics['output_dir']} (HF checkpoint, metrics.json, training_curves.png, "
-                 "training_config.json, last-checkpoint.pt)")  # fmt: skip
+    lines.append(
+        f"  output: {metrics['output_dir']} (HF checkpoint, metrics.json, training_curves.png, "
+        "training_config.json, last-checkpoint.pt)"
+    )
     return "\n".join(lines)
 
 

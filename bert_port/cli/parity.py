@@ -32,9 +32,18 @@ FLAGS = {"check_finite": "--check-finite"}
 # Config fields that decide the tensors' shapes or the forward pass: two checkpoints compared
 # with --reference-checkpoint must agree on every one of them.
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "position_embedding_type", "is_decoder",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "layer_norm_eps",
+    "position_embedding_type",
+    "is_decoder",
+)
 
 
 def _dtypes(text: str) -> list[torch.dtype]:
@@ -66,38 +75,81 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bert-port-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory, weights file (config.json beside it) or model id in the local HF "
-                        "cache (default: the bundled all-MiniLM-L6-v2)")  # fmt: skip
-    p.add_argument("--reference-checkpoint", default=None, metavar="PATH",
-                   help="a known-good checkpoint of the same architecture for transformers to read, in any form "
-                        "--checkpoint accepts; the port still reads --checkpoint (default: transformers reads "
-                        "--checkpoint too)")  # fmt: skip
-    p.add_argument("--check-finite", choices=("error", "warn", "ignore"), default="error",
-                   help="what NaN/Inf in the weights the port reads do: fail with exit 2 (default), warn and "
-                        "compare, or compare silently")  # fmt: skip
-    p.add_argument("--tokenizer", default=None,
-                   help="directory with tokenizer.json or vocab.txt (default: the checkpoint's directory)")
-    p.add_argument("--texts-file", default=None,
-                   help="UTF-8 file, one text per line, or two tab-separated segments for a sentence pair "
-                        "(default: built-in real sentences and pairs)")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory, weights file (config.json beside it) or model id in the local HF "
+        "cache (default: the bundled all-MiniLM-L6-v2)",
+    )
+    p.add_argument(
+        "--reference-checkpoint",
+        default=None,
+        metavar="PATH",
+        help="a known-good checkpoint of the same architecture for transformers to read, in any form "
+        "--checkpoint accepts; the port still reads --checkpoint (default: transformers reads "
+        "--checkpoint too)",
+    )
+    p.add_argument(
+        "--check-finite",
+        choices=("error", "warn", "ignore"),
+        default="error",
+        help="what NaN/Inf in the weights the port reads do: fail with exit 2 (default), warn and "
+        "compare, or compare silently",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory with tokenizer.json or vocab.txt (default: the checkpoint's directory)",
+    )
+    p.add_argument(
+        "--texts-file",
+        default=None,
+        help="UTF-8 file, one text per line, or two tab-separated segments for a sentence pair "
+        "(default: built-in real sentences and pairs)",
+    )
     p.add_argument("--batch-size", type=_positive_int, default=8, help="texts per batch (default 8)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="truncate to this many tokens; the adversarial long row has exactly this many "
-                        "(default: the model's max_position_embeddings)")  # fmt: skip
-    p.add_argument("--no-adversarial", action="store_true",
-                   help="leave out the built-in edge cases (max-length row, all-pad row, one-token rows)")
-    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                   help="where to run both models; 'all' = cpu and cuda, cuda rows skipped without a GPU "
-                        "(default all)")  # fmt: skip
-    p.add_argument("--dtype", type=_dtypes, default="float32,bfloat16,float16",
-                   help="comma-separated dtypes to check, each on every device (default float32,bfloat16,float16)")
-    p.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa",
-                   help="attention implementation for both models; the spread uses the other one (default sdpa)")
-    p.add_argument("--atol", type=_non_negative_float, default=None,
-                   help="absolute tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)")
-    p.add_argument("--rtol", type=_non_negative_float, default=None,
-                   help="relative tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="truncate to this many tokens; the adversarial long row has exactly this many "
+        "(default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--no-adversarial",
+        action="store_true",
+        help="leave out the built-in edge cases (max-length row, all-pad row, one-token rows)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "all"),
+        default="all",
+        help="where to run both models; 'all' = cpu and cuda, cuda rows skipped without a GPU (default all)",
+    )
+    p.add_argument(
+        "--dtype",
+        type=_dtypes,
+        default="float32,bfloat16,float16",
+        help="comma-separated dtypes to check, each on every device (default float32,bfloat16,float16)",
+    )
+    p.add_argument(
+        "--attn",
+        choices=("eager", "sdpa"),
+        default="sdpa",
+        help="attention implementation for both models; the spread uses the other one (default sdpa)",
+    )
+    p.add_argument(
+        "--atol",
+        type=_non_negative_float,
+        default=None,
+        help="absolute tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)",
+    )
+    p.add_argument(
+        "--rtol",
+        type=_non_negative_float,
+        default=None,
+        help="relative tolerance for every dtype (default: the policy in bert_port/tolerance.py, per dtype)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure of the report to this JSON file")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of per-layer error by device and dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -178,8 +230,10 @@ def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
     from bert_port.checkpoint import PT_WEIGHTS, SAFE_WEIGHTS, WEIGHT_NAMES
 
     preferred = next((files.directory / n for n in WEIGHT_NAMES if (files.directory / n).is_file()), None)
-    if preferred is not None and preferred.resolve() == files.weights_file.resolve() and files.config_file == (
-        files.directory / "config.json"
+    if (
+        preferred is not None
+        and preferred.resolve() == files.weights_file.resolve()
+        and files.config_file == (files.directory / "config.json")
     ):
         return files.directory
     name = {".safetensors": SAFE_WEIGHTS, ".bin": PT_WEIGHTS, ".pt": PT_WEIGHTS, ".pth": PT_WEIGHTS}.get(
@@ -216,7 +270,7 @@ def load_reference(
                 if not bad:
                     return ref.eval(), f"transformers.BertModel.from_pretrained read {files.weights_file} itself"
                 why = f"transformers' own loader leaves {len(bad)} tensor(s) unloaded ({', '.join(bad[:4])})"
-        except Exception as exc:  # any failure of transformers' loader: fall back, and say so in the report
+        except Exception as exc:  # noqa: BLE001  any failure of transformers' loader: fall back, and say so in the report
             why = f"transformers cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if same_as_ours:
         donor, whose = ours, "the port's weights"
@@ -262,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     reference_source = source
     if args.reference_checkpoint:
         try:
-            reference_source = Source(args.reference_checkpoint, locate_checkpoint(args.reference_checkpoint),
-                                      args.check_finite)  # fmt: skip
+            reference_source = Source(
+                args.reference_checkpoint, locate_checkpoint(args.reference_checkpoint), args.check_finite
+            )
             differ = architecture_differences(config, BertConfig.from_json_file(reference_source.files.config_file))
         except (CheckpointError, ConfigError) as exc:
             return _fail(f"cannot load reference checkpoint {args.reference_checkpoint}:\n{_message(exc)}")
@@ -277,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
 
     max_length = args.max_length or config.max_position_embeddings
     if not 4 <= max_length <= config.max_position_embeddings:
-        return _fail(f"--max-length must be between 4 and the model's max_position_embeddings "
-                     f"({config.max_position_embeddings}), got {max_length}")  # fmt: skip
+        return _fail(
+            f"--max-length must be between 4 and the model's max_position_embeddings "
+            f"({config.max_position_embeddings}), got {max_length}"
+        )
     tokenizer_dir = args.tokenizer or ours.source_dir
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
@@ -296,17 +353,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         return _fail(str(exc))
-    for name, limit, what in (("input_ids", config.vocab_size, "vocab_size"),
-                              ("token_type_ids", config.type_vocab_size, "type_vocab_size")):  # fmt: skip
+    for name, limit, what in (
+        ("input_ids", config.vocab_size, "vocab_size"),
+        ("token_type_ids", config.type_vocab_size, "type_vocab_size"),
+    ):
         top = max(int(b.inputs[name].max()) for b in batches)
         if top >= limit:
-            return _fail(f"the tokenizer in {tokenizer_dir} produces {name} {top}, outside the model's "
-                         f"{what}={limit}: pass --tokenizer with the checkpoint's own tokenizer")  # fmt: skip
+            return _fail(
+                f"the tokenizer in {tokenizer_dir} produces {name} {top}, outside the model's "
+                f"{what}={limit}: pass --tokenizer with the checkpoint's own tokenizer"
+            )
 
     with _quiet(transformers):
         try:
-            reference, how = load_reference(transformers, ours, reference_source, args.attn,
-                                            same_as_ours=reference_source is source)  # fmt: skip
+            reference, how = load_reference(
+                transformers, ours, reference_source, args.attn, same_as_ours=reference_source is source
+            )
         except (CheckpointError, ConfigError) as exc:
             return _fail(f"cannot load reference checkpoint {reference_source.name}:\n{_message(exc)}")
         other = "eager" if args.attn == "sdpa" else "sdpa"
@@ -324,41 +386,50 @@ def main(argv: list[str] | None = None) -> int:
     if reference_source is source:
         sides = {"checkpoint": f"{source.describe()}, read by both the port and transformers"}
     else:
-        sides = {"checkpoint": f"{source.describe()}, read by the port",
-                 "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)",
-                 "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
-                             "transformers': a FAIL means they differ beyond tolerance (without "
-                             "--reference-checkpoint, the port alone is checked)"}
+        sides = {
+            "checkpoint": f"{source.describe()}, read by the port",
+            "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)",
+            "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
+            "transformers': a FAIL means they differ beyond tolerance (without "
+            "--reference-checkpoint, the port alone is checked)",
+        }
     meta = {
         **sides,
-        "model": (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                  f"{config.num_attention_heads} heads, vocab {config.vocab_size}"),  # fmt: skip
+        "model": (
+            f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"{config.num_attention_heads} heads, vocab {config.vocab_size}"
+        ),
         "reference": f"transformers {transformers.__version__}: {how}",
         "attention": f"{args.attn} on both sides; spread = transformers {other} vs transformers {args.attn}",
-        "inputs": (f"{len(examples)} examples from {texts_from} ({pairs} pairs), max length {max_length}"
-                   + ("" if args.no_adversarial else ", plus the edge cases")
-                   + f"; {len(batches)} batches, {sum(b.rows for b in batches)} rows, "
-                   f"{sum(b.real_tokens for b in batches)} real and {sum(b.pad_tokens for b in batches)} pad tokens"),
+        "inputs": (
+            f"{len(examples)} examples from {texts_from} ({pairs} pairs), max length {max_length}"
+            + ("" if args.no_adversarial else ", plus the edge cases")
+            + f"; {len(batches)} batches, {sum(b.rows for b in batches)} rows, "
+            f"{sum(b.real_tokens for b in batches)} real and {sum(b.pad_tokens for b in batches)} pad tokens"
+        ),
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
-    }  # fmt: skip
+    }
     if note:
         meta["note"] = note
 
     rows = parity.check_matrix(
-        ours, reference, batches,
+        ours,
+        reference,
+        batches,
         devices=devices,
         dtypes=args.dtype,
         tolerances=tolerances,
         spread_reference=spread_reference,
         progress=not args.no_progress,
-    )  # fmt: skip
+    )
     report = parity.Report(rows, meta)
     print(parity.format_report(report))
 
     if args.json:
         data = parity.report_to_json(report)
-        data["batches"] = [{"name": b.name, "rows": b.rows, "real_tokens": b.real_tokens, "pad_tokens": b.pad_tokens}
-                           for b in batches]  # fmt: skip
+        data["batches"] = [
+            {"name": b.name, "rows": b.rows, "real_tokens": b.real_tokens, "pad_tokens": b.pad_tokens} for b in batches
+        ]
         data["tolerances"] = {parity.dtype_name(d): {"atol": t.atol, "rtol": t.rtol} for d, t in tolerances.items()}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {args.json}")

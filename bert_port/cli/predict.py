@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-column", default="text", help="column holding the text (default 'text')")
     parser.add_argument("--text-pair-column", default=None, help="column holding the second segment, if any")
     parser.add_argument("--batch-size", type=_positive_int, default=64, help="texts per forward pass (default 64)")
-    parser.add_argument("--max-length", type=_positive_int, default=None,
-                        help="tokens per text (default: the max_length the model was trained with, else 128)")  # fmt: skip
+    parser.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=None,
+        help="tokens per text (default: the max_length the model was trained with, else 128)",
+    )
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     return parser
@@ -64,25 +68,32 @@ def main(argv: list[str] | None = None) -> int:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
             raise FinetuneError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
-            raise FinetuneError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                                "use --device cpu or an existing cuda:N")  # fmt: skip
+            raise FinetuneError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                "use --device cpu or an existing cuda:N"
+            )
         out_format = file_format(args.output)
         out = Path(args.output)
         if out.is_dir():
             raise FinetuneError(f"--output {out} is a directory; give a file name ending .csv, .tsv or .jsonl")
         if out.exists() and out.resolve() == Path(args.input).resolve():
-            raise FinetuneError(f"--output {out} is the --input file; writing it would destroy the input. Choose "
-                                "another --output")  # fmt: skip
+            raise FinetuneError(
+                f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
+            )
         dataset = load_texts(args.input, args.text_column, None, args.text_pair_column, keep_records=True)
         config = BertConfig.from_json_file(locate_checkpoint(args.model).config_file)
         if not config.id2label:
-            raise ConfigError(f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
-                              "Pass the output directory of bert-port-finetune")  # fmt: skip
+            raise ConfigError(
+                f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
+                "Pass the output directory of bert-port-finetune"
+            )
         added = ["predicted_label", "probabilities"] + [f"prob_{n}" for n in config.id2label.values()]
         clash = sorted({k for r in dataset.records for k in r} & set(added))
         if clash:
-            raise DataError(f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
-                            "predictions would overwrite; rename them in the input")  # fmt: skip
+            raise DataError(
+                f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
+                "predictions would overwrite; rename them in the input"
+            )
         max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
         check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
         model = BertForSequenceClassification.from_pretrained(args.model)
@@ -90,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise FinetuneError(f"cannot create the folder of --output {out} ({exc.strerror}); choose another "
-                                "--output") from None  # fmt: skip
+            raise FinetuneError(
+                f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
+            ) from None
     except (DataError, CheckpointError, ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -109,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_predictions(out: Path, out_format: str, records: list[dict], names: list[str], predicted: list[int],
-                       probs: list[list[float]]) -> None:  # fmt: skip
+def _write_predictions(
+    out: Path, out_format: str, records: list[dict], names: list[str], predicted: list[int], probs: list[list[float]]
+) -> None:
     """Every input column plus the prediction, written under a temporary name and renamed
     into place: never half a file."""
     from bert_port.checkpoint import atomic_write
@@ -139,8 +152,9 @@ def _trained_max_length(model_dir: Path) -> int:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))["max_length"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FinetuneError(f"cannot read max_length from {path} ({type(exc).__name__}: {exc}); pass --max-length "
-                            "explicitly") from None  # fmt: skip
+        raise FinetuneError(
+            f"cannot read max_length from {path} ({type(exc).__name__}: {exc}); pass --max-length explicitly"
+        ) from None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise FinetuneError(f"{path} holds max_length {value!r}, not a positive integer; pass --max-length")
     return value
