@@ -12,7 +12,7 @@ import torch
 from bert_port.assets import minilm_dir
 from bert_port.tolerance import TOLERANCES
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "bert_port" / "configs"
 
 # Every comparison with transformers uses the project's one tolerance policy
 # (bert_port/tolerance.py), as keyword arguments of torch.testing.assert_close.

@@ -23,7 +23,7 @@ from bert_port.data import builtin_splits, load_mr, load_sms, write_texts
 from bert_port.training import FinetuneConfig, _StopRequest, load_config_file
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "bert_port" / "configs"
 
 
 def run_cli(*args: str) -> int:

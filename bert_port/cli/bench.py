@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data
 MR_FILE = ("hutto_ICWSM_2014", "movieReviewSnippets_GroundTruth.txt")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

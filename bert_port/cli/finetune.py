@@ -1,6 +1,6 @@
 """`bert-port-finetune`: fine-tune a BERT checkpoint as a text classifier.
 
-    bert-port-finetune --config configs/finetune_mr_minilm.json
+    bert-port-finetune --config bert_port/configs/finetune_mr_minilm.json
     bert-port-finetune --train train.csv --validation dev.csv --label-column sentiment --output-dir runs/x
     torchrun --nproc_per_node 2 -m bert_port.cli.finetune --config ...     (DDP; same results)
     bert-port-finetune --config ... --resume                                (continue an interrupted run)
