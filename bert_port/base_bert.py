@@ -28,6 +28,31 @@ log = logging.getLogger(__name__)
 
 CHECK_FINITE_MODES = ("error", "warn", "ignore")
 
+# sentence-transformers' files beside a checkpoint: the pipeline and its settings.
+ST_MODULES = "modules.json"
+ST_FILES = (ST_MODULES, "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def sentence_transformers_folders(directory: Path) -> list[str]:
+    """The module folders `modules.json` in `directory` names (`1_Pooling`, ...) that exist:
+    plain relative names only, never a path out of the directory."""
+    try:
+        modules = json.loads((directory / ST_MODULES).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ckpt.CheckpointError(
+            f"{directory / ST_MODULES} is not readable JSON ({exc}); restore it from the original checkpoint"
+        ) from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
+    out = []
+    for module in modules:
+        folder = module.get("path") or ""
+        if not isinstance(folder, str) or folder in ("", ".") or "/" in folder or "\\" in folder or folder == "..":
+            continue
+        if (directory / folder).is_dir():
+            out.append(folder)
+    return out
+
 
 @contextmanager
 def meta_init() -> Iterator[None]:
@@ -70,6 +95,28 @@ def _resolve_device(device: str | torch.device | None) -> torch.device | None:
         raise ValueError(f"device {device!r} is not a device torch knows ({exc})") from None
 
 
+def resolve_device_map(device: str | torch.device | None, device_map: object) -> torch.device | None:
+    """transformers' `device_map` when it names one device (`"cuda:0"`, `0`, `torch.device`,
+    `{"": "cuda:0"}`, or `"auto"`: the accelerator when there is one, else the CPU); this port
+    holds a model on one device, so a map over several is a `ValueError`."""
+    if device_map is None:
+        return _resolve_device(device)
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if isinstance(device_map, dict):
+        raise ValueError(
+            f"device_map {device_map!r} spreads the model over several devices; this port keeps a model on "
+            "one device: pass one device, e.g. device_map='cuda:0' or device='cpu'"
+        )
+    if device_map == "auto":
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device_map = accelerator if accelerator is not None else "cpu"
+    resolved = _resolve_device(device_map)
+    if device is not None and _resolve_device(device) != resolved:
+        raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass only one of them")
+    return resolved
+
+
 def _check_finite_mode(mode: str) -> None:
     if mode not in CHECK_FINITE_MODES:
         raise ValueError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {mode!r}")
@@ -108,6 +155,14 @@ class BertPreTrainedModel(nn.Module):
     # Prefix of the encoder's keys in this model's own state dict ("bert." for a task
     # model holding its encoder as `self.bert`); the key table maps the names below it.
     port_encoder_prefix: ClassVar[str] = ""
+    # HF head prefixes this model owns whose keys `checkpoint.hf_to_port` would otherwise drop
+    # as pretraining heads (`cls.predictions.` for BertForMaskedLM), see heads.py.
+    hf_head_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Tied parameters, port names: target -> source (the MLM decoder is the word embedding).
+    # Targets are neither read from nor written to checkpoints, as in transformers.
+    tied_weights: ClassVar[dict[str, str]] = {}
+    # Set by gradient_checkpointing_enable() on every BertModel inside the model.
+    gradient_checkpointing: bool = False
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -153,8 +208,10 @@ class BertPreTrainedModel(nn.Module):
         cls,
         path: str | os.PathLike,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        device_map: str | int | torch.device | dict | None = None,
         config: BertConfig | None = None,
         config_file: str | os.PathLike | None = None,
         check_finite: str = "error",
@@ -168,22 +225,31 @@ class BertPreTrainedModel(nn.Module):
 
         dtype: cast floating weights to it (a torch dtype or its name, "float16"); None or
             "auto" keeps the checkpoint's, casting any odd tensor to the dtype most of its
-            tensors have, as transformers does.
-        device: where the weights go (default CPU).
+            tensors have, as transformers does. `torch_dtype` is transformers' older name for it.
+        device: where the weights go (default CPU). `device_map` (transformers' name) may give
+            it instead, as one device ("cuda:0", 0, {"": "cuda:0"}, "auto").
         check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
             or "ignore" for NaN/Inf weights.
         revision: the cache ref or commit hash to use for a model id.
         output_loading_info: also return `model.loading_info` (what was renamed, dropped,
             skipped or newly initialised), as transformers' flag of the same name does.
-        Other keyword arguments override config fields (e.g. `attn_implementation="eager"`)
-        or go to the constructor (e.g. `add_pooling_layer=False`). Returns the model in
+        Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
+        `num_labels=3`, or any field the checkpoint's config.json has) or go to the
+        constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError` naming
+        it, as in transformers. Runtime choices (`attn_implementation`, `unpad_inputs`, dtype,
+        device) are never written to config.json by `save_pretrained`. Returns the model in
         eval mode.
         """
         _check_finite_mode(check_finite)
+        if torch_dtype is not None:
+            if dtype is not None and resolve_dtype(dtype) != resolve_dtype(torch_dtype):
+                raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; pass only dtype")
+            dtype = torch_dtype
         dtype = resolve_dtype(dtype)
-        device = _resolve_device(device)  # before any file is read
+        device = resolve_device_map(device, device_map)  # before any file is read
         files = ckpt.locate_checkpoint(path, config_file, revision)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
+        cls._check_overrides(kwargs, config if config is not None else files.config_file)
         if config is None:
             config = BertConfig.from_json_file(files.config_file, **kwargs)
         elif kwargs:
@@ -199,6 +265,28 @@ class BertPreTrainedModel(nn.Module):
         model.source_dir = files.directory
         model.eval()
         return (model, model.loading_info) if output_loading_info else model
+
+    @classmethod
+    def _check_overrides(cls, overrides: dict, config: BertConfig | Path) -> None:
+        """A `TypeError` naming every keyword that is neither a config field (BertConfig's, or
+        one the checkpoint's config.json has) nor an argument: transformers refuses those too,
+        and keeping them would write a typo into config.json."""
+        fields = BertConfig.field_names()
+        unknown = [k for k in overrides if k not in fields]
+        if unknown:
+            known = config if isinstance(config, BertConfig) else BertConfig.from_json_file(config)
+            unknown = [k for k in unknown if k not in known.extra]
+        if unknown:
+            arguments = sorted(
+                {"dtype", "torch_dtype", "device", "device_map", "config", "config_file", "check_finite"}
+                | {"revision", "output_loading_info"}
+                | cls._init_kwarg_names()
+            )
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained() got unexpected keyword argument(s) "
+                f"{', '.join(map(repr, unknown))}: not a from_pretrained argument ({', '.join(arguments)}), "
+                "nor a field of BertConfig or of the checkpoint's config.json; check the spelling"
+            )
 
     @classmethod
     def _init_kwarg_names(cls) -> set[str]:
@@ -223,7 +311,7 @@ class BertPreTrainedModel(nn.Module):
         _check_finite_mode(check_finite)
         dtype = resolve_dtype(dtype)
         device = _resolve_device(device)
-        conversion = ckpt.hf_to_port(state_dict)
+        conversion = ckpt.hf_to_port(state_dict, keep_heads=self.hf_head_prefixes)
         incoming, sources = conversion.state_dict, conversion.sources
         if self.port_encoder_prefix:  # encoder keys move under the encoder's attribute; heads and unmapped stay
             keep = set(conversion.unmapped)
@@ -240,7 +328,24 @@ class BertPreTrainedModel(nn.Module):
             in_file = sources.get(key) or conversion.layout.spell(key.removeprefix(self.port_encoder_prefix))
             return in_file if in_file == key else f"{in_file} -> {key}"
 
-        expected = {k: v for k, v in self.state_dict().items()}
+        expected = {k: v for k, v in self.state_dict().items() if k not in self.tied_weights}
+        # A tied copy in the file (`.bin` checkpoints hold the MLM decoder beside the embedding
+        # it is tied to) must equal what it is tied to; it is then not loaded, only tied.
+        tied = [k for k in incoming if k in self.tied_weights]
+        untied = [
+            k
+            for k in tied
+            if self.tied_weights[k] in incoming
+            and not torch.equal(incoming[k], incoming[self.tied_weights[k]].to(incoming[k].dtype))
+        ]
+        if untied:
+            raise ckpt.CheckpointError(
+                f"cannot load {source}: "
+                + ", ".join(f"{name(k)} differs from {name(self.tied_weights[k])}" for k in untied)
+                + f", which {type(self).__name__} ties together (as transformers does with tie_word_embeddings); "
+                "this checkpoint has untied heads, which the port does not support. Nothing was loaded"
+            )
+        incoming = {k: v for k, v in incoming.items() if k not in tied}
 
         missing = [k for k in expected if k not in incoming]
         new_keys = [k for k in missing if k.startswith(self.keys_to_init_if_missing)]
@@ -320,10 +425,12 @@ class BertPreTrainedModel(nn.Module):
             "buffers": list(conversion.buffers),  # position_ids / token_type_ids, recomputed
             "unused": unused,
             "newly_initialized": new_keys,
+            "tied": tied,  # tied copies in the file, equal to what they are tied to
         }
         if new_keys:
             self._materialize_new(new_keys, dtype, device)
             log.warning("%s: newly initialised (not in the checkpoint): %s", type(self).__name__, ", ".join(new_keys))
+        self.tie_weights()  # an assigning load replaced the tied parameters' sources
         return new_keys
 
     def _is_unused_ok(self, key: str) -> bool:
@@ -332,7 +439,10 @@ class BertPreTrainedModel(nn.Module):
         # transformers does when a BertModel loads a BertForSequenceClassification checkpoint.
         if key.startswith(ckpt.HEAD_PREFIXES):
             return True
-        return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not getattr(self, "add_pooling_layer", True)
+        encoder = self.get_submodule(self.port_encoder_prefix.rstrip("."))  # self, or the task model's `bert`
+        return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not getattr(
+            encoder, "add_pooling_layer", True
+        )
 
     def _materialize_new(self, keys: list[str], dtype: torch.dtype | None, device: torch.device | None) -> None:
         owners = {k.rsplit(".", 1)[0] for k in keys}
@@ -381,11 +491,125 @@ class BertPreTrainedModel(nn.Module):
         lines.append("Nothing was loaded. Check that the checkpoint is a BERT model matching its config.json.")
         return "\n".join(lines)
 
+    # -- transformers' fine-tuning conveniences ---------------------------------------
+
+    @property
+    def encoder(self) -> nn.Module:
+        """The `BertModel` inside (the model itself for a `BertModel`)."""
+        return self.get_submodule(self.port_encoder_prefix.rstrip("."))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.word_embedding
+
+    def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
+        self.encoder.word_embedding = embeddings
+        self.tie_weights()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The layer that maps hidden states to vocabulary logits (the MLM decoder); None
+        for a model without one, as in transformers."""
+        return None
+
+    def tie_weights(self) -> None:
+        """Make every target of `tied_weights` the very parameter of its source again (after a
+        load assigned new parameters, or a resize)."""
+        for target, source in self.tied_weights.items():
+            owner, attr = target.rsplit(".", 1)
+            setattr(self.get_submodule(owner), attr, self.get_parameter(source))
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each layer's activations in backward instead of keeping them (less memory,
+        about one more forward of time), in train mode only, as transformers does. Gradients are
+        those of the model without it: the recomputation restores the RNG, so dropout repeats.
+        `gradient_checkpointing_kwargs` may only say `{"use_reentrant": False}`, the one mode used."""
+        extra = {k: v for k, v in (gradient_checkpointing_kwargs or {}).items() if (k, v) != ("use_reentrant", False)}
+        if extra:
+            raise ValueError(
+                f"gradient_checkpointing_kwargs {extra} are not supported: the port always uses torch's "
+                "non-reentrant checkpoint; pass None or {'use_reentrant': False}"
+            )
+        self._set_gradient_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._set_gradient_checkpointing(False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(self.encoder.gradient_checkpointing)
+
+    def _set_gradient_checkpointing(self, enable: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, BertPreTrainedModel):
+                module.gradient_checkpointing = enable
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """Grow or shrink the vocabulary to `new_num_tokens` (rounded up to a multiple of
+        `pad_to_multiple_of`), as transformers does: existing rows are kept, `config.vocab_size`
+        follows, tied output embeddings (the MLM decoder and its bias) are resized with it.
+
+        New rows: with `mean_resizing` the mean of the old rows (and of the old output bias).
+        transformers samples them from a normal around that mean with covariance 1e-9 times the
+        old rows' (a spread of about 3e-5 of theirs), so its rows differ from ours by that noise;
+        ours are deterministic. Without it, N(0, initializer_range) as a fresh model's.
+        Returns the input embedding."""
+        embedding = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return embedding
+        old_num, dim = embedding.weight.shape
+        new_num = old_num if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            if (
+                isinstance(pad_to_multiple_of, bool)
+                or not isinstance(pad_to_multiple_of, int)
+                or pad_to_multiple_of < 1
+            ):
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            new_num = -(-new_num // pad_to_multiple_of) * pad_to_multiple_of
+        if isinstance(new_num, bool) or not isinstance(new_num, int) or new_num < 1:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        if new_num != old_num:
+            with torch.no_grad():
+                embedding.weight = nn.Parameter(
+                    self._resized(embedding.weight, new_num, mean_resizing, init=embedding),
+                    requires_grad=embedding.weight.requires_grad,
+                )
+            embedding.num_embeddings = new_num
+            if embedding.padding_idx is not None and embedding.padding_idx >= new_num:
+                embedding.padding_idx = None
+            self._resize_output_bias(new_num, mean_resizing)
+        self.config.vocab_size = new_num
+        self.tie_weights()
+        return embedding
+
+    def _resize_output_bias(self, new_num: int, mean_resizing: bool) -> None:
+        """Resize the output layer's own bias (tied models): overridden by the MLM heads."""
+
+    def _resized(self, weight: Tensor, new_num: int, mean_resizing: bool, init: nn.Module | None = None) -> Tensor:
+        """`weight` (V, ...) with its first `new_num` rows kept and any new row initialised."""
+        old_num = weight.shape[0]
+        if new_num <= old_num:
+            return weight[:new_num].clone()
+        added = new_num - old_num
+        if mean_resizing:
+            fresh = weight.float().mean(0, keepdim=True).expand(added, *weight.shape[1:]).to(weight.dtype)
+        elif weight.dim() == 2:
+            fresh = torch.empty(added, *weight.shape[1:], dtype=weight.dtype, device=weight.device)
+            nn.init.normal_(fresh, mean=0.0, std=self.config.initializer_range)
+        else:  # a bias: zero, as a fresh layer's
+            fresh = weight.new_zeros(added)
+        return torch.cat([weight, fresh])
+
     # -- saving -----------------------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The state dict under Hugging Face names (the inverse of the key table)."""
-        state = {k.removeprefix(self.port_encoder_prefix): v for k, v in self.state_dict().items()}
+        state = {
+            k.removeprefix(self.port_encoder_prefix): v
+            for k, v in self.state_dict().items()
+            if k not in self.tied_weights  # written once, under the name of what they are tied to
+        }
         return ckpt.port_to_hf(state, encoder_prefix=self.hf_encoder_prefix)
 
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> Path:
@@ -410,8 +634,30 @@ class BertPreTrainedModel(nn.Module):
         with ckpt.StagedWrite(out) as stage:
             ckpt.stage_weights(stage, self.hf_state_dict(), max_shard_size)
             self._stage_tokenizer(stage, config)
+            self._stage_sentence_transformers(stage)
             stage.text(ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return out
+
+    def _stage_sentence_transformers(self, stage: ckpt.StagedWrite) -> None:
+        """A `BertModel` loaded from a sentence-transformers folder keeps that folder's
+        `modules.json`, its settings files and its module folders (`1_Pooling/config.json`),
+        so that `SentenceTransformer(saved_dir)` pools and normalises as the original did.
+        Module folders are written each as a staged write of their own (a staged write holds
+        one folder), before the top-level files commit. Task models do not copy them: their
+        encoder is no longer the sentence encoder those files describe."""
+        source = Path(self.source_dir) if self.source_dir is not None else None
+        if self.port_encoder_prefix or source is None or not (source / ST_MODULES).is_file():
+            return
+        if source.resolve() == stage.directory.resolve():
+            return
+        for folder in sentence_transformers_folders(source):
+            files = [p for p in (source / folder).iterdir() if p.is_file() and not p.name.startswith(".")]
+            with ckpt.StagedWrite(stage.directory / folder) as sub:
+                for file in files:
+                    sub.copy(file.name, file)
+        for name in ST_FILES:
+            if (source / name).is_file():
+                stage.copy(name, source / name)
 
     def _stage_tokenizer(self, stage: ckpt.StagedWrite, config: dict) -> None:
         """The folder's tokenizer files after the save are the model's: those of the directory

@@ -16,6 +16,8 @@ Shapes: B batch, T time (tokens), N real tokens, H hidden size, nh heads, hs hea
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -270,6 +272,12 @@ class BertModel(BertPreTrainedModel):
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
         for layer in self.bert_layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # gradient_checkpointing_enable(): keep only the layer's input, recompute the rest
+                # in backward (non-reentrant: restores the RNG, so dropout masks are the same).
+                from torch.utils.checkpoint import checkpoint
+
+                layer = functools.partial(checkpoint, layer, use_reentrant=False)
             if output_attentions:  # never packed: only eager attention gives probabilities
                 hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True)
                 all_attn.append(probs)
@@ -315,11 +323,15 @@ class BertModel(BertPreTrainedModel):
         inputs_embeds: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
-    ) -> ModelOutput:
+        return_dict: bool | None = None,
+        use_cache: bool | None = None,
+    ) -> ModelOutput | tuple[Tensor, ...]:
         """`input_ids` (B, T) or `inputs_embeds` (B, T, H), exactly one.
 
         `attention_mask`: (B, T) 1/0 (int, float or bool), (B, T, T), or a prepared 4-D
         mask. `token_type_ids` default to zeros, `position_ids` to 0..T-1.
+        `return_dict=False` returns the outputs that are not None as a tuple, as transformers
+        does; `use_cache` is accepted and ignored (an encoder keeps no cache).
         """
         check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         embedding_output = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
@@ -329,9 +341,10 @@ class BertModel(BertPreTrainedModel):
         pooled = None
         if self.add_pooling_layer:
             pooled = self.pooler_af(self.pooler_dense(sequence_output[:, 0]))
-        return ModelOutput(
+        out = ModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=pooled,
             hidden_states=hidden_states,
             attentions=attentions,
         )
+        return out.to_tuple() if return_dict is False else out

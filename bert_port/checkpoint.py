@@ -75,8 +75,10 @@ BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
 DROPPED_PREFIXES = ("cls.predictions.", "cls.seq_relationship.")
 # Wrappers that training code puts around a model: DDP, torch.compile, HF task models.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "bert.")
-# Keys of task heads that sit beside the encoder and keep their names in both layouts.
-HEAD_PREFIXES = ("classifier.",)
+# Keys of task heads that sit beside the encoder and keep their names in both layouts
+# (issue 13: the MLM / NSP heads `cls.*` and the QA head `qa_outputs.*` joined `classifier.*`;
+# which model owns which head is said by the model classes in heads.py / classifier.py).
+HEAD_PREFIXES = ("classifier.", "qa_outputs.", "cls.")
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -198,10 +200,11 @@ def normalize_hf_key(key: str) -> str:
     return key
 
 
-def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
+def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = ()) -> Conversion:
     """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
     sentence-transformers, legacy gamma/beta) to port names. Task-head keys such as
-    `classifier.*` keep their names."""
+    `classifier.*` keep their names. Pretraining-head keys (`cls.*`) are dropped unless
+    they start with one of `keep_heads`, the heads of the model being loaded (issue 13)."""
     out = Conversion(state_dict={}, layout=detect_layout(state_dict))
     for raw_key, tensor in state_dict.items():
         key = normalize_hf_key(raw_key)
@@ -210,7 +213,7 @@ def hf_to_port(state_dict: Mapping[str, Tensor]) -> Conversion:
         if key in BUFFER_KEYS:
             out.buffers.append(raw_key)
             continue
-        if key.startswith(DROPPED_PREFIXES):
+        if key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
             out.dropped.append(raw_key)
             continue
         if key.startswith(HEAD_PREFIXES):

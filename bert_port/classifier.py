@@ -75,10 +75,12 @@ class BertForSequenceClassification(BertPreTrainedModel):
         labels: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
-    ) -> ModelOutput:
+        return_dict: bool | None = None,
+    ) -> ModelOutput | tuple[Tensor, ...]:
         """Inputs as for `BertModel.forward`. `labels`: (B,) class ids for single-label
         classification, (B,) or (B, num_labels) floats for regression, (B, num_labels)
-        multi-hot floats for multi-label classification."""
+        multi-hot floats for multi-label classification. `return_dict=False` returns the
+        outputs that are not None as a tuple, as transformers does."""
         outputs = self.bert(
             input_ids,
             attention_mask=attention_mask,
@@ -100,4 +102,5 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = per_example.sum() / (labels.view(-1) != IGNORE_INDEX).sum()
             else:
                 loss = per_example.mean()
-        return ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return out.to_tuple() if return_dict is False else out

@@ -181,6 +181,11 @@ class BertConfig:
     # -- HF config.json ---------------------------------------------------------------
 
     @classmethod
+    def field_names(cls) -> set[str]:
+        """The names `from_dict` overrides may use: every field, and `num_labels`."""
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"} | {"num_labels"}
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> BertConfig:
         """Build from a `config.json` dict; unknown keys go to `extra`, `overrides` win."""
         if not isinstance(data, dict):

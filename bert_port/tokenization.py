@@ -2,23 +2,31 @@
 
 `tokenizer.json` is used when present; otherwise a BERT WordPiece pipeline is assembled
 from `vocab.txt` and the lower-casing settings in `tokenizer_config.json`, the same
-pipeline `BertTokenizerFast` builds. Padding and truncation stored in `tokenizer.json`
-are cleared (all-MiniLM-L6-v2 ships a fixed pad-to-128): callers choose them per batch.
+pipeline `BertTokenizerFast` builds. Padding stored in `tokenizer.json` is cleared
+(all-MiniLM-L6-v2 ships a fixed pad-to-128): `encode` pads each batch to its longest. Its
+truncation is replaced by the checkpoint's limit, `model_max_length` from
+`tokenizer_config.json` (what transformers' `truncation=True` cuts to), so that `encode`
+never returns more tokens than the model takes; `SentenceEncoder` uses sentence-transformers'
+`max_seq_length` instead.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Encoding, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
 from .checkpoint import CheckpointError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+DEFAULT_MAX_LENGTH = 512  # BERT's position table, when the tokenizer files name no limit
+# transformers writes int(1e30) as model_max_length when a tokenizer has no limit of its own.
+_NO_LIMIT = 10**9
 
 
 class TokenizerError(CheckpointError, ValueError):
@@ -26,9 +34,10 @@ class TokenizerError(CheckpointError, ValueError):
     `ValueError` so that callers catching that (as `bert-port-parity` does) still do."""
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """A `tokenizers.Tokenizer` for the checkpoint in `directory`. Raises `TokenizerError`
-    when the folder has no tokenizer files or they cannot be read or parsed."""
+def load_tokenizer(directory: str | os.PathLike, max_length: int | None = None) -> Tokenizer:
+    """A `tokenizers.Tokenizer` for the checkpoint in `directory`, truncating to `max_length`
+    (default: the checkpoint's `model_max_length`, else 512). Raises `TokenizerError` when
+    the folder has no tokenizer files or they cannot be read or parsed."""
     directory = Path(directory)
     settings: dict = {}
     current = directory / "tokenizer_config.json"
@@ -58,7 +67,11 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             "files of the checkpoint again"
         ) from None
     tok.no_padding()
-    tok.no_truncation()
+    limit = settings.get("model_max_length")
+    if max_length is None:
+        usable = isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < _NO_LIMIT
+        max_length = limit if usable else DEFAULT_MAX_LENGTH
+    tok.enable_truncation(max_length=max_length)
     return tok
 
 
@@ -90,32 +103,88 @@ def _wordpiece_from_vocab(vocab_file: Path, settings: dict) -> Tokenizer:
     return tok
 
 
+class BatchEncoding(dict):
+    """What `encode` returns: a dict of (B, T) tensors to call a model with (`model(**batch)`),
+    plus transformers' `word_ids(i)` and `tokens(i)`, read from the tokenizer's encodings."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], encodings: list[Encoding]):
+        super().__init__(tensors)
+        self.encodings = encodings
+
+    def word_ids(self, batch_index: int = 0) -> list[int | None]:
+        """The word of the text each token of row `batch_index` comes from; None for special
+        tokens and padding. With pairs, words are counted in each text separately."""
+        ids = self.encodings[batch_index].word_ids
+        return ids + [None] * (self["input_ids"].shape[1] - len(ids))
+
+    def tokens(self, batch_index: int = 0) -> list[str]:
+        return list(self.encodings[batch_index].tokens)
+
+    def to(self, device: str | torch.device) -> BatchEncoding:
+        return BatchEncoding({k: v.to(device) for k, v in self.items()}, self.encodings)
+
+
+def _as_texts(texts: str | Sequence[str], name: str) -> list[str]:
+    if isinstance(texts, str):  # one text, not a sequence of characters
+        return [texts]
+    texts = list(texts)
+    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        raise ValueError(
+            f"{name} must be a string or a list of strings; item {bad[0]} is {type(texts[bad[0]]).__name__}"
+        )
+    return texts
+
+
 def encode(
     tokenizer: Tokenizer,
-    texts: list[str],
-    pairs: list[str] | None = None,
-    max_length: int = 512,
+    texts: str | Sequence[str],
+    pairs: str | Sequence[str] | None = None,
+    max_length: int | None = None,
     pad_to: int | None = None,
-) -> dict[str, torch.Tensor]:
+    return_offsets_mapping: bool = False,
+) -> BatchEncoding:
     """Tokenize a batch: `input_ids`, `token_type_ids`, `attention_mask` as (B, T) long
     tensors, padded on the right to the longest sequence (or `pad_to`), truncated to
-    `max_length` (longest-first for pairs)."""
+    `max_length` (default: the tokenizer's, see `load_tokenizer`; longest-first for pairs).
+
+    A bare string is one text (and one pair). `return_offsets_mapping` adds
+    `offset_mapping`, (B, T, 2) character spans into the text (0, 0 for special tokens and
+    padding), as transformers does; take it out before `model(**batch)`. `word_ids(i)` of
+    the result gives the word of each token, for token classification."""
+    texts = _as_texts(texts, "texts")
+    if pairs is not None:
+        pairs = _as_texts(pairs, "pairs")
+        if len(pairs) != len(texts):
+            raise ValueError(f"pairs has {len(pairs)} texts and texts {len(texts)}; give one pair per text")
+    if not texts:
+        raise ValueError("encode got no texts; pass at least one string")
     pad_id = tokenizer.token_to_id("[PAD]") or 0
+    previous = tokenizer.truncation
+    if max_length is None:
+        max_length = previous["max_length"] if previous else DEFAULT_MAX_LENGTH
     tokenizer.enable_truncation(max_length=max_length)
     try:
-        inputs = list(zip(texts, pairs)) if pairs is not None else list(texts)
+        inputs = list(zip(texts, pairs)) if pairs is not None else texts
         encodings = tokenizer.encode_batch(inputs)
     finally:
-        tokenizer.no_truncation()
+        if previous:
+            tokenizer.enable_truncation(**previous)
+        else:
+            tokenizer.no_truncation()
     T = max(pad_to or 0, max(len(e.ids) for e in encodings))
     out = {
         name: torch.zeros(len(encodings), T, dtype=torch.long)
         for name in ("input_ids", "token_type_ids", "attention_mask")
     }
     out["input_ids"].fill_(pad_id)
+    if return_offsets_mapping:
+        out["offset_mapping"] = torch.zeros(len(encodings), T, 2, dtype=torch.long)
     for i, e in enumerate(encodings):
         n = len(e.ids)
         out["input_ids"][i, :n] = torch.tensor(e.ids)
         out["token_type_ids"][i, :n] = torch.tensor(e.type_ids)
         out["attention_mask"][i, :n] = 1
-    return out
+        if return_offsets_mapping:
+            out["offset_mapping"][i, :n] = torch.tensor(e.offsets).view(n, 2)
+    return BatchEncoding(out, encodings)

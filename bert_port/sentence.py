@@ -1,0 +1,272 @@
+"""`SentenceEncoder`: sentence embeddings the way sentence-transformers computes them.
+
+A sentence-transformers checkpoint says in `modules.json` how its embedding is made: the
+Transformer (this BERT) gives token vectors, `1_Pooling/config.json` says how to pool them
+(mean over real tokens for all-MiniLM-L6-v2), and a `Normalize` module, when listed, scales
+each embedding to unit length. `sentence_bert_config.json` gives `max_seq_length` (256 for
+all-MiniLM-L6-v2, not the 512 positions the model has): longer texts are truncated to it.
+
+The pooler output (`BertModel(...).pooler_output`, a dense layer and tanh on [CLS]) is not
+such a checkpoint's embedding: it was never trained for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from . import checkpoint as ckpt
+from .base_bert import ST_MODULES
+from .bert import BertModel
+from .tokenization import encode, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+# sentence-transformers' pooling modes this port computes, in the order it concatenates them.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")
+# The legacy booleans of 1_Pooling/config.json, in sentence-transformers' order.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_TRANSFORMER, _POOLING, _NORMALIZE = (
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.models.Normalize",
+)
+POOLING_FOLDER = "1_Pooling"
+ST_CONFIG = "sentence_bert_config.json"
+
+
+def pool(token_embeddings: Tensor, attention_mask: Tensor, modes: Sequence[str]) -> Tensor:
+    """(B, T, H) token vectors and a (B, T) padding mask -> (B, len(modes) * H), each mode's
+    vector concatenated in order, computed as sentence-transformers' `Pooling` does."""
+    out = []
+    mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)  # (B, T, 1)
+    for mode in modes:
+        if mode == "cls":  # the first real token (left padding puts it further right)
+            first = attention_mask.to(torch.int).argmax(dim=1)
+            out.append(token_embeddings[torch.arange(len(first), device=first.device), first])
+        elif mode == "max":
+            out.append(token_embeddings.masked_fill(mask == 0, float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            # Sums in fp32 for half-precision inputs, as sentence-transformers accumulates.
+            acc = torch.float32 if token_embeddings.dtype in (torch.float16, torch.bfloat16) else token_embeddings.dtype
+            total = (token_embeddings * mask).sum(dim=1, dtype=acc)
+            count = torch.clamp(mask.sum(dim=1, dtype=acc), min=1e-9)
+            vector = total / count if mode == "mean" else total / torch.sqrt(count)
+            out.append(vector.to(token_embeddings.dtype))
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not supported; use one of {', '.join(POOLING_MODES)}")
+    return torch.cat(out, dim=-1)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ckpt.CheckpointError(
+            f"{path} is not readable JSON ({exc}); restore it from the original checkpoint"
+        ) from None
+    if not isinstance(data, (dict, list)):
+        raise ckpt.CheckpointError(f"{path} must hold a JSON object or list; restore it from the original checkpoint")
+    return data
+
+
+def _pooling_modes(config: dict, source: Path) -> tuple[str, ...]:
+    """The modes of a `1_Pooling/config.json`: sentence-transformers 6's `pooling_mode` (a
+    name or a list) or the older `pooling_mode_*` booleans (none set means mean, as there)."""
+    if "pooling_mode" in config:
+        modes = config["pooling_mode"]
+        modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    else:
+        modes = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key)) or ("mean",)
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad:
+        raise ckpt.CheckpointError(
+            f"{source}: pooling mode {', '.join(bad)} is not supported by SentenceEncoder (it computes "
+            f"{', '.join(POOLING_MODES)}); use sentence-transformers for this model"
+        )
+    return modes
+
+
+def read_pipeline(directory: Path) -> dict:
+    """What a checkpoint folder's sentence-transformers files say: `pooling` (the modes),
+    `normalize`, `max_seq_length` and `do_lower_case`; defaults of sentence-transformers for
+    a plain BERT folder (mean pooling, no normalisation, the tokenizer's limit)."""
+    settings: dict = {"pooling": ("mean",), "normalize": False, "max_seq_length": None, "do_lower_case": False}
+    if (directory / ST_CONFIG).is_file():
+        config = _read_json(directory / ST_CONFIG)
+        settings["max_seq_length"] = config.get("max_seq_length")
+        settings["do_lower_case"] = bool(config.get("do_lower_case", False))
+    if not (directory / ST_MODULES).is_file():
+        log.info(
+            "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)", directory, ST_MODULES
+        )
+        return settings
+    modules = _read_json(directory / ST_MODULES)
+    types = [m.get("type") for m in modules] if isinstance(modules, list) else None
+    if not types or not all(isinstance(m, dict) for m in modules):
+        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
+    unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
+    if unknown or types[0] != _TRANSFORMER:
+        raise ckpt.CheckpointError(
+            f"{directory / ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed by "
+            "Pooling and optionally Normalize. Use sentence-transformers for this model"
+        )
+    for module in modules:
+        if module["type"] == _POOLING:
+            path = directory / module.get("path", POOLING_FOLDER) / "config.json"
+            settings["pooling"] = _pooling_modes(_read_json(path), path)
+    settings["normalize"] = _NORMALIZE in types
+    return settings
+
+
+class SentenceEncoder(nn.Module):
+    """A BERT encoder, pooling and optional normalisation: `encode(texts)` returns what
+    sentence-transformers' `SentenceTransformer(path).encode(texts)` does (within the fp32
+    tolerance in float32).
+
+    `forward(input_ids, attention_mask, token_type_ids)` gives the (B, D) embeddings of a
+    tokenized batch with gradients, for fine-tuning."""
+
+    def __init__(
+        self,
+        model: BertModel,
+        tokenizer: Tokenizer,
+        pooling: str | Sequence[str] = "mean",
+        normalize: bool = False,
+        max_seq_length: int | None = None,
+        do_lower_case: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(model, BertModel):
+            raise TypeError(f"SentenceEncoder wraps a BertModel, got {type(model).__name__}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pooling = (pooling,) if isinstance(pooling, str) else tuple(pooling)
+        bad = [m for m in self.pooling if m not in POOLING_MODES]
+        if bad or not self.pooling:
+            raise ValueError(f"pooling {pooling!r} is not supported; use one or more of {', '.join(POOLING_MODES)}")
+        self.normalize = normalize
+        limit = model.config.max_position_embeddings
+        if max_seq_length is None:
+            truncation = tokenizer.truncation
+            max_seq_length = min(limit, truncation["max_length"]) if truncation else limit
+        if not isinstance(max_seq_length, int) or not 0 < max_seq_length <= limit:
+            raise ValueError(
+                f"max_seq_length must be an integer in [1, {limit}] (the model's max_position_embeddings), "
+                f"got {max_seq_length!r}"
+            )
+        self.max_seq_length = max_seq_length
+        self.do_lower_case = do_lower_case
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        pooling: str | Sequence[str] | None = None,
+        normalize: bool | None = None,
+        max_seq_length: int | None = None,
+        **model_kwargs,
+    ) -> SentenceEncoder:
+        """Load a checkpoint (directory or model id in the HF cache, as `BertModel.from_pretrained`)
+        and follow its sentence-transformers files: pooling from `1_Pooling/config.json`,
+        normalisation when `modules.json` lists `Normalize`, `max_seq_length` from
+        `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
+        `BertModel.from_pretrained` (dtype, device, attn_implementation, ...)."""
+        model = BertModel.from_pretrained(path, **model_kwargs)
+        settings = read_pipeline(Path(model.source_dir))
+        return cls(
+            model,
+            load_tokenizer(model.source_dir),
+            pooling=settings["pooling"] if pooling is None else pooling,
+            normalize=settings["normalize"] if normalize is None else normalize,
+            max_seq_length=settings["max_seq_length"] if max_seq_length is None else max_seq_length,
+            do_lower_case=settings["do_lower_case"],
+        )
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None, **kwargs
+    ) -> Tensor:
+        """(B, T) ids and mask -> (B, D) embeddings, normalised when `self.normalize`."""
+        kwargs.pop("offset_mapping", None)
+        hidden = self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
+        ).last_hidden_state
+        embeddings = pool(hidden, attention_mask, self.pooling)
+        return F.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
+
+    @torch.inference_mode()
+    def encode(
+        self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool | None = None
+    ) -> Tensor:
+        """Embeddings of `texts`: (N, D) on the model's device, or (D,) for one bare string, as
+        sentence-transformers returns them. Texts longer than `max_seq_length` tokens are
+        truncated. `normalize_embeddings`: None follows the checkpoint (its Normalize module);
+        True or False forces unit length on or off. Batches are formed from texts of similar
+        length (fewer pads), and the result is in the order of `texts`."""
+        single = isinstance(texts, str)
+        texts = [texts] if single else list(texts)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        normalize = self.normalize if normalize_embeddings is None else normalize_embeddings
+        was_training = self.training
+        self.eval()
+        try:
+            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+            chunks = []
+            for start in range(0, len(texts), batch_size):
+                batch = [texts[i] for i in order[start : start + batch_size]]
+                if self.do_lower_case:
+                    batch = [t.lower() for t in batch]
+                inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
+                hidden = self.model(**inputs).last_hidden_state
+                chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
+        finally:
+            self.train(was_training)
+        dim = len(self.pooling) * self.model.config.hidden_size
+        embeddings = torch.cat(chunks) if chunks else torch.empty(0, dim, device=self.model.device)
+        if normalize:
+            embeddings = F.normalize(embeddings, p=2, dim=1)
+        embeddings = embeddings[torch.argsort(torch.tensor(order, device=embeddings.device))]
+        return embeddings[0] if single else embeddings
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write the model (`BertModel.save_pretrained`: HF format, tokenizer files) and the
+        sentence-transformers files describing this encoder's pipeline, so that both
+        `SentenceEncoder.from_pretrained` and `SentenceTransformer(save_directory)` load it."""
+        out = self.model.save_pretrained(save_directory)
+        modules = [{"idx": 0, "name": "0", "path": "", "type": _TRANSFORMER}]
+        modules.append({"idx": 1, "name": "1", "path": POOLING_FOLDER, "type": _POOLING})
+        if self.normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": _NORMALIZE})
+        pooling = {"word_embedding_dimension": self.model.config.hidden_size}
+        if self.pooling == tuple(m for m in POOLING_MODES if m in self.pooling):
+            # The booleans every sentence-transformers version reads; they fix this order.
+            pooling.update({key: mode in self.pooling for key, mode in _LEGACY_POOLING_KEYS.items()})
+        else:
+            pooling["pooling_mode"] = list(self.pooling)  # sentence-transformers 6 keeps any order
+        with ckpt.StagedWrite(out / POOLING_FOLDER) as stage:
+            stage.text("config.json", json.dumps(pooling, indent=2) + "\n")
+        with ckpt.StagedWrite(out) as stage:
+            stage.text(
+                ST_CONFIG,
+                json.dumps({"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}, indent=2)
+                + "\n",
+            )
+            stage.text(ST_MODULES, json.dumps(modules, indent=2) + "\n")
+        return out
