@@ -104,7 +104,8 @@ def resolve_device_map(device: str | torch.device | None, device_map: object) ->
     if isinstance(device_map, dict) and set(device_map) == {""}:
         device_map = device_map[""]
     if isinstance(device_map, dict):
-        raise ValueError(
+        # A dict is a valid device_map; what it asks for (several devices) is not supported.
+        raise ValueError(  # noqa: TRY004
             f"device_map {device_map!r} spreads the model over several devices; this port keeps a model on "
             "one device: pass one device, e.g. device_map='cuda:0' or device='cpu'"
         )
@@ -557,7 +558,7 @@ class BertPreTrainedModel(nn.Module):
         embedding = self.get_input_embeddings()
         if new_num_tokens is None and pad_to_multiple_of is None:
             return embedding
-        old_num, dim = embedding.weight.shape
+        old_num = embedding.weight.shape[0]
         new_num = old_num if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
             if (
