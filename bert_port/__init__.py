@@ -5,14 +5,21 @@ from .bert import BertLayer, BertModel, BertSelfAttention
 from .checkpoint import CheckpointError
 from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
+from .heads import BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering, BertForTokenClassification
 from .outputs import ModelOutput
 from .packing import Packing
-from .tokenization import TokenizerError, encode, load_tokenizer
+from .sentence import SentenceEncoder
+from .tokenization import BatchEncoding, TokenizerError, encode, load_tokenizer
 from .utils import get_extended_attention_mask
 
 __all__ = [
+    "BatchEncoding",
     "BertConfig",
+    "BertForMaskedLM",
+    "BertForPreTraining",
+    "BertForQuestionAnswering",
     "BertForSequenceClassification",
+    "BertForTokenClassification",
     "BertLayer",
     "BertModel",
     "BertPreTrainedModel",
@@ -21,6 +28,7 @@ __all__ = [
     "ConfigError",
     "ModelOutput",
     "Packing",
+    "SentenceEncoder",
     "TokenizerError",
     "encode",
     "get_extended_attention_mask",

@@ -1,0 +1,143 @@
+"""SentenceEncoder against sentence-transformers, computed in the same run on the bundled
+all-MiniLM-L6-v2 (Transformer, mean Pooling, Normalize, max_seq_length 256), and the
+sentence-transformers files that save_pretrained and bert-port-convert keep."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import REAL_SENTENCES, TINY, TOL
+
+from bert_port import BertModel, CheckpointError, SentenceEncoder
+from bert_port.cli.convert import main as convert_main
+from bert_port.sentence import POOLING_MODES, pool
+
+# Longer than max_seq_length (256) and than the position table (512): truncated as
+# sentence-transformers truncates. Padding-only and empty texts too.
+TEXTS = [*REAL_SENTENCES, " ".join(["word"] * 300), "lorem ipsum dolor " * 200, "", "  spaced  "]
+
+
+@pytest.fixture(scope="module")
+def st_reference(minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_path), device="cpu", local_files_only=True)
+
+
+def _st_encode(model, texts=TEXTS, **kwargs) -> torch.Tensor:
+    return model.encode(texts, convert_to_tensor=True, batch_size=4, **kwargs).cpu()
+
+
+def test_follows_the_checkpoint_files(minilm_path):
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    assert encoder.pooling == ("mean",) and encoder.normalize and encoder.max_seq_length == 256
+
+
+def test_encode_equals_sentence_transformers(minilm_path, st_reference):
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    expected = _st_encode(st_reference)
+    actual = encoder.encode(TEXTS, batch_size=4)
+    assert actual.shape == (len(TEXTS), 384)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+    torch.testing.assert_close(actual.norm(dim=1), torch.ones(len(TEXTS)), **TOL[torch.float32])
+    # Order and batching do not matter; one bare string is one text, as in sentence-transformers.
+    torch.testing.assert_close(encoder.encode(TEXTS[::-1], batch_size=1), expected.flip(0), **TOL[torch.float32])
+    single = encoder.encode(TEXTS[0])
+    assert single.shape == (384,)
+    torch.testing.assert_close(single, st_reference.encode(TEXTS[0], convert_to_tensor=True), **TOL[torch.float32])
+    # Truncation at 256 tokens: the 300-word text equals its first 254 words.
+    torch.testing.assert_close(actual[6], encoder.encode(" ".join(["word"] * 254)), **TOL[torch.float32])
+    # The pooler output is not this model's embedding.
+    from bert_port import encode
+
+    batch = encode(encoder.tokenizer, TEXTS[:3])
+    with torch.no_grad():
+        pooled = encoder.model(**batch).pooler_output
+    assert (torch.nn.functional.normalize(pooled, dim=1) - expected[:3]).abs().max() > 0.1
+
+
+def test_normalize_embeddings_overrides_the_checkpoint(minilm_path, st_reference):
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    raw = encoder.encode(TEXTS[:4], normalize_embeddings=False)
+    # sentence-transformers without its Normalize module: the raw mean-pooled vectors.
+    from sentence_transformers import SentenceTransformer
+
+    no_norm = SentenceTransformer(modules=[st_reference[0], st_reference[1]], device="cpu")
+    torch.testing.assert_close(raw, _st_encode(no_norm, TEXTS[:4]), **TOL[torch.float32])
+    assert (raw.norm(dim=1) - 1).abs().max() > 0.1
+
+
+def test_forward_gives_differentiable_embeddings(minilm_path):
+    from bert_port import encode
+
+    encoder = SentenceEncoder.from_pretrained(minilm_path).train()
+    batch = encode(encoder.tokenizer, TEXTS[:3], max_length=encoder.max_seq_length)
+    out = encoder(**batch)
+    out.sum().backward()
+    assert out.shape == (3, 384) and encoder.model.word_embedding.weight.grad is not None
+
+
+def test_saved_model_and_converted_checkpoint_load_in_sentence_transformers(tmp_path, minilm_path, st_reference):
+    from sentence_transformers import SentenceTransformer
+
+    expected = _st_encode(st_reference)
+    BertModel.from_pretrained(minilm_path).save_pretrained(tmp_path / "saved")
+    assert convert_main([str(minilm_path), str(tmp_path / "converted")]) == 0
+    for name in ("saved", "converted"):
+        out = tmp_path / name
+        for file in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+            assert (out / file).read_bytes() == (minilm_path / file).read_bytes(), file
+        reloaded = SentenceTransformer(str(out), device="cpu", local_files_only=True)
+        torch.testing.assert_close(_st_encode(reloaded), expected, **TOL[torch.float32])
+        torch.testing.assert_close(SentenceEncoder.from_pretrained(out).encode(TEXTS), expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("pooling", [("cls",), ("max",), ("mean",), ("mean", "max"), ("max", "cls")])
+def test_encoder_save_writes_its_own_pipeline(tmp_path, minilm_path, pooling):
+    from sentence_transformers import SentenceTransformer
+
+    encoder = SentenceEncoder.from_pretrained(minilm_path, pooling=pooling, normalize=False, max_seq_length=64)
+    encoder.save_pretrained(tmp_path)
+    reloaded = SentenceTransformer(str(tmp_path), device="cpu", local_files_only=True)
+    assert reloaded.max_seq_length == 64
+    actual = encoder.encode(TEXTS)
+    assert actual.shape == (len(TEXTS), 384 * len(pooling))
+    torch.testing.assert_close(actual, _st_encode(reloaded), **TOL[torch.float32])
+    again = SentenceEncoder.from_pretrained(tmp_path)
+    assert again.pooling == pooling and not again.normalize and again.max_seq_length == 64
+
+
+@pytest.mark.parametrize("mode", POOLING_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_equals_sentence_transformers_pooling(mode, dtype):
+    """The tiny path: random token vectors with right and left padding, every mode."""
+    from sentence_transformers.models import Pooling
+
+    B, T, H = 4, 7, TINY["hidden_size"]
+    tokens = torch.randn(B, T, H).to(dtype)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[2, :3] = 0  # left padding: cls reads the first real token
+    mask[3, 1:] = 0
+    reference = Pooling(H, pooling_mode=mode)
+    expected = reference({"token_embeddings": tokens, "attention_mask": mask})["sentence_embedding"]
+    actual = pool(tokens, mask, (mode,))
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def test_unsupported_pipeline_is_refused(tmp_path, minilm_path):
+    import shutil
+
+    shutil.copytree(minilm_path, tmp_path / "m")
+    modules = json.loads((tmp_path / "m" / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "m" / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(CheckpointError, match="Dense.*Use sentence-transformers"):
+        SentenceEncoder.from_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="pooling 'weightedmean' is not supported"):
+        SentenceEncoder.from_pretrained(minilm_path, pooling="weightedmean")
+    with pytest.raises(ValueError, match="max_seq_length must be an integer in"):
+        SentenceEncoder.from_pretrained(minilm_path, max_seq_length=1000)
