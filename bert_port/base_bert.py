@@ -550,8 +550,8 @@ class BertPreTrainedModel(nn.Module):
         `pad_to_multiple_of`), as transformers does: existing rows are kept, `config.vocab_size`
         follows, tied output embeddings (the MLM decoder and its bias) are resized with it.
 
-        New rows: with `mean_resizing` the mean of the old rows (and of the old output bias).
-        transformers samples them from a normal around that mean with covariance 1e-9 times the
+        New rows: with `mean_resizing` the mean of the old rows (new output-bias entries are
+        zero, as transformers 5 leaves them for a tied decoder). transformers samples them from a normal around that mean with covariance 1e-9 times the
         old rows' (a spread of about 3e-5 of theirs), so its rows differ from ours by that noise;
         ours are deterministic. Without it, N(0, initializer_range) as a fresh model's.
         Returns the input embedding."""

@@ -125,7 +125,9 @@ class _TiedMLM(_BertWithHead):
     def _resize_output_bias(self, new_num: int, mean_resizing: bool) -> None:
         predictions = self.cls.predictions
         with torch.no_grad():
-            bias = self._resized(predictions.bias, new_num, mean_resizing)
+            # New tokens' output bias is zero, whatever `mean_resizing` says: what transformers 5
+            # gives its tied decoder (its bias follows the resized decoder, not the mean).
+            bias = self._resized(predictions.bias, new_num, mean_resizing=False)
         predictions.bias = nn.Parameter(bias, requires_grad=predictions.bias.requires_grad)
         predictions.decoder.out_features = new_num
 

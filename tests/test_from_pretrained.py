@@ -1,0 +1,182 @@
+"""transformers' call patterns and fine-tuning conveniences, each against transformers in
+the same run: from_pretrained keywords (torch_dtype, dtype="auto", device_map, config
+overrides, unknown keywords refused and never written to config.json), return_dict and
+use_cache in forward, gradient checkpointing, resize_token_embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import EXACT, TINY, TOL, hf_model, random_batch
+
+from bert_port import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+
+
+@pytest.fixture
+def tiny_fp16(tmp_path):
+    """A tiny transformers checkpoint saved in float16."""
+    hf = hf_model(TINY).to(torch.float16)
+    hf.save_pretrained(tmp_path / "fp16")
+    return tmp_path / "fp16"
+
+
+def test_torch_dtype_and_auto(tiny_fp16, minilm_path):
+    import transformers
+
+    assert BertModel.from_pretrained(minilm_path, torch_dtype=torch.float16).dtype == torch.float16
+    assert BertModel.from_pretrained(minilm_path, torch_dtype="bfloat16").dtype == torch.bfloat16
+    reference = transformers.BertModel.from_pretrained(str(tiny_fp16), dtype="auto")
+    for kwargs in ({"dtype": "auto"}, {"torch_dtype": "auto"}, {}):
+        assert BertModel.from_pretrained(tiny_fp16, **kwargs).dtype == reference.dtype == torch.float16
+    with pytest.raises(ValueError, match="disagree"):
+        BertModel.from_pretrained(minilm_path, dtype=torch.float32, torch_dtype=torch.float16)
+
+
+def test_device_map_as_one_device(minilm_path):
+    for device_map in ("cpu", {"": "cpu"}, torch.device("cpu"), "auto"):
+        model = BertModel.from_pretrained(minilm_path, device_map=device_map)
+        expected = "cpu" if not torch.accelerator.is_available() or device_map != "auto" else None
+        assert expected is None or model.device.type == expected
+    with pytest.raises(ValueError, match="several devices"):
+        BertModel.from_pretrained(minilm_path, device_map={"embeddings": "cpu", "encoder": "cuda:0"})
+    with pytest.raises(ValueError, match="disagree"):
+        BertModel.from_pretrained(minilm_path, device="cpu", device_map="meta")
+
+
+def test_config_overrides_and_unknown_keywords(tmp_path, minilm_path):
+    import transformers
+
+    model = BertForSequenceClassification.from_pretrained(minilm_path, num_labels=3, hidden_dropout_prob=0.2)
+    reference = transformers.BertForSequenceClassification.from_pretrained(
+        str(minilm_path), num_labels=3, hidden_dropout_prob=0.2
+    )
+    assert model.config.num_labels == reference.config.num_labels == 3
+    assert model.config.hidden_dropout_prob == reference.config.hidden_dropout_prob == 0.2
+    # A field the checkpoint's config.json has, though BertConfig does not model it.
+    assert BertModel.from_pretrained(minilm_path, gradient_checkpointing=True).config.extra["gradient_checkpointing"]
+
+    with pytest.raises(TypeError, match="'no_such_option'"):
+        BertModel.from_pretrained(minilm_path, no_such_option=3)
+    with pytest.raises(TypeError, match="'no_such_option'"):
+        transformers.BertModel.from_pretrained(str(minilm_path), no_such_option=3)
+
+    # Runtime choices are never written to config.json; real overrides are, as transformers does.
+    model = BertModel.from_pretrained(
+        minilm_path, attn_implementation="eager", unpad_inputs=False, torch_dtype="float32", device_map="cpu"
+    )
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"attn_implementation", "unpad_inputs", "device_map", "torch_dtype", "no_such_option"} & set(saved)
+
+
+def test_return_dict_false_and_use_cache(tmp_path):
+    hf = hf_model(TINY)
+    hf.save_pretrained(tmp_path)
+    ours = BertModel.from_pretrained(tmp_path, **EXACT)
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        actual = ours(**batch, return_dict=False, use_cache=False)
+        expected = hf(**batch, return_dict=False, use_cache=False)
+        with_hidden = ours(**batch, return_dict=False, output_hidden_states=True)
+        hf_hidden = hf(**batch, return_dict=False, output_hidden_states=True)
+    assert isinstance(actual, tuple) and len(actual) == len(expected) == 2
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert len(with_hidden) == len(hf_hidden) == 3 and len(with_hidden[2]) == len(hf_hidden[2])
+    classifier = BertForSequenceClassification(BertConfig.from_dict(TINY)).eval()
+    out = classifier(**batch, labels=torch.tensor([0, 1, 0]), return_dict=False)
+    assert isinstance(out, tuple) and out[0].dim() == 0 and out[1].shape == (3, 2)
+
+
+def _grads(model, batch, seed=0) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    torch.manual_seed(seed)
+    out = model(**batch)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    (hidden * batch["attention_mask"][..., None]).square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, exact):
+    hf = hf_model(TINY)
+    hf.save_pretrained(tmp_path)
+    ours = BertModel.from_pretrained(tmp_path, **(EXACT if exact else {})).train()  # dropout on
+    batch = random_batch(TINY["vocab_size"])
+    plain = _grads(ours, batch)
+    ours.gradient_checkpointing_enable()
+    assert ours.is_gradient_checkpointing
+    checkpointed = _grads(ours, batch)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], checkpointed[name]), name
+    ours.gradient_checkpointing_disable()
+    assert not ours.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="use_reentrant"):
+        ours.gradient_checkpointing_enable({"use_reentrant": True})
+
+
+def test_gradient_checkpointing_matches_transformers(tmp_path):
+    """Without dropout (whose random masks the two libraries draw differently), checkpointed
+    gradients equal transformers' checkpointed gradients, bit for bit in exact mode."""
+    from bert_port import checkpoint
+
+    config = dict(TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf = hf_model(config)
+    hf.save_pretrained(tmp_path)
+    ours = BertModel.from_pretrained(tmp_path, **EXACT).train()
+    ours.gradient_checkpointing_enable()
+    hf.train().activation_checkpointing_enable()
+    batch = random_batch(TINY["vocab_size"])
+    actual = _grads(ours, batch)
+    expected = {checkpoint.hf_to_port({k: v}).state_dict.popitem()[0]: v for k, v in _grads(hf, batch).items()}
+    assert actual.keys() == expected.keys()
+    for name in actual:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def test_resize_token_embeddings_as_transformers(tmp_path):
+    import transformers
+
+    hf = hf_model(TINY, "BertForMaskedLM")
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    hf.save_pretrained(tmp_path / "src")
+    ours = BertForMaskedLM.from_pretrained(tmp_path / "src", **EXACT)
+    old = ours.get_input_embeddings().weight.detach().clone()
+    old_bias = ours.cls.predictions.bias.detach().clone()
+
+    returned = ours.resize_token_embeddings(120)
+    hf.resize_token_embeddings(120)
+    assert returned is ours.get_input_embeddings() and returned.num_embeddings == 120
+    assert ours.config.vocab_size == hf.config.vocab_size == 120
+    ours_w, hf_w = ours.get_input_embeddings().weight.detach(), hf.get_input_embeddings().weight.detach()
+    assert torch.equal(ours_w[:99], hf_w[:99]) and torch.equal(ours_w[:99], old)
+    # New rows: the old rows' mean; transformers draws them around that mean with covariance
+    # 1e-9 times the old rows', so it is within a few of those standard deviations of ours.
+    assert torch.equal(ours_w[99:], old.mean(0).expand(21, -1))
+    spread = (1e-9 * old.var(0, correction=0)).sqrt()
+    assert ((hf_w[99:] - ours_w[99:]).abs() <= 8 * spread + 1e-7).all()
+    # The tied decoder and its bias follow.
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    assert ours.cls.predictions.decoder.bias is ours.cls.predictions.bias
+    assert torch.equal(ours.cls.predictions.bias[:99], old_bias)
+    assert torch.equal(ours.cls.predictions.bias[99:], hf.cls.predictions.bias[99:].detach())  # zeros
+
+    batch = random_batch(99)  # old tokens: the new rows differ by transformers' noise
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch).logits[..., :99], hf(**batch).logits[..., :99], **TOL[torch.float32])
+    ours.save_pretrained(tmp_path / "resized")
+    back, info = transformers.BertForMaskedLM.from_pretrained(str(tmp_path / "resized"), output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {} and back.config.vocab_size == 120
+
+    # Shrinking keeps the first rows; pad_to_multiple_of rounds up, as in transformers.
+    ours.resize_token_embeddings(90)
+    hf.resize_token_embeddings(90)
+    assert torch.equal(ours.get_input_embeddings().weight, hf.get_input_embeddings().weight)
+    assert ours.resize_token_embeddings(100, pad_to_multiple_of=64).num_embeddings == 128
+    assert hf.resize_token_embeddings(100, pad_to_multiple_of=64).num_embeddings == 128
+    with pytest.raises(ValueError, match="new_num_tokens must be a positive integer"):
+        ours.resize_token_embeddings(0)

@@ -1,0 +1,79 @@
+"""`encode` against transformers' tokenizer of the same checkpoint (BertTokenizerFast from
+the bundled all-MiniLM-L6-v2 files): a bare string, pairs, truncation to the checkpoint's
+`model_max_length`, offsets and word ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REAL_SENTENCES
+
+from bert_port import encode, load_tokenizer
+
+LONG = "lorem ipsum dolor sit amet " * 150  # about 750 tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizers(minilm_path):
+    import transformers
+
+    return load_tokenizer(minilm_path), transformers.AutoTokenizer.from_pretrained(str(minilm_path))
+
+
+def assert_same_batch(ours: dict, ref) -> None:
+    for name in ("input_ids", "token_type_ids", "attention_mask"):
+        assert torch.equal(ours[name], ref[name]), name
+
+
+def test_bare_string_is_one_text(tokenizers):
+    ours, ref = tokenizers
+    batch = encode(ours, "one whole sentence")
+    assert batch["input_ids"].shape[0] == 1
+    assert_same_batch(batch, ref(["one whole sentence"], return_tensors="pt"))
+
+
+def test_pairs_match_transformers(tokenizers):
+    ours, ref = tokenizers
+    firsts, seconds = REAL_SENTENCES[:4], REAL_SENTENCES[2:6]
+    assert_same_batch(encode(ours, firsts, seconds), ref(firsts, seconds, padding=True, return_tensors="pt"))
+    assert_same_batch(
+        encode(ours, "a question?", "a context."), ref(["a question?"], ["a context."], return_tensors="pt")
+    )
+    # Longest-first truncation of pairs, as transformers' truncation=True.
+    expected = ref([LONG], [REAL_SENTENCES[0]], truncation=True, max_length=40, return_tensors="pt")
+    assert_same_batch(encode(ours, LONG, REAL_SENTENCES[0], max_length=40), expected)
+
+
+def test_truncation_honours_the_checkpoint_model_max_length(tokenizers, minilm_path):
+    ours, ref = tokenizers
+    assert ref.model_max_length == 512
+    batch = encode(ours, [LONG, "short"])
+    assert batch["input_ids"].shape == (2, 512)
+    assert_same_batch(batch, ref([LONG, "short"], padding=True, truncation=True, return_tensors="pt"))
+    # An explicit max_length wins, and encode leaves the tokenizer as it found it.
+    assert encode(ours, LONG, max_length=300)["input_ids"].shape == (1, 300)
+    assert ours.truncation["max_length"] == 512
+    assert load_tokenizer(minilm_path, max_length=128).truncation["max_length"] == 128
+
+
+def test_offsets_and_word_ids_match_transformers(tokenizers):
+    ours, ref = tokenizers
+    texts = ["naïve café owners: Ünïcödé", "unbelievably tokenized words"]
+    batch = encode(ours, texts, return_offsets_mapping=True)
+    expected = ref(texts, padding=True, return_offsets_mapping=True, return_tensors="pt")
+    assert torch.equal(batch["offset_mapping"], expected["offset_mapping"])
+    for i in range(len(texts)):
+        assert batch.word_ids(i) == expected.word_ids(i)
+        assert batch.tokens(i) == [t for t in expected.tokens(i) if t != "[PAD]"]
+    pair = encode(ours, "first words", "second ones", return_offsets_mapping=True)
+    assert pair.word_ids(0) == ref(["first words"], ["second ones"]).word_ids(0)
+
+
+def test_bad_texts_are_refused(tokenizers):
+    ours, _ = tokenizers
+    with pytest.raises(ValueError, match="one pair per text"):
+        encode(ours, ["a", "b"], ["c"])
+    with pytest.raises(ValueError, match="item 1 is int"):
+        encode(ours, ["a", 3])
+    with pytest.raises(ValueError, match="no texts"):
+        encode(ours, [])
