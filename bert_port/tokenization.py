@@ -107,9 +107,10 @@ class BatchEncoding(dict):
     """What `encode` returns: a dict of (B, T) tensors to call a model with (`model(**batch)`),
     plus transformers' `word_ids(i)` and `tokens(i)`, read from the tokenizer's encodings."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], encodings: list[Encoding]):
+    def __init__(self, tensors: dict[str, torch.Tensor], encodings: list[Encoding] | None = None):
+        # `encodings` optional: torch's collate and pin_memory rebuild a mapping from its items.
         super().__init__(tensors)
-        self.encodings = encodings
+        self.encodings = encodings if encodings is not None else []
 
     def word_ids(self, batch_index: int = 0) -> list[int | None]:
         """The word of the text each token of row `batch_index` comes from; None for special

@@ -4,7 +4,8 @@ SRC is a checkpoint directory, a weights file (`pytorch_model.bin`, `*.safetenso
 shard index) with `config.json` beside it, or a model id in the local HF cache. Any layout
 the loader reads (legacy `LayerNorm.gamma/beta`, `bert.`/`module.`/`_orig_mod.` prefixes,
 pretraining heads, sentence-transformers) becomes HF `BertModel` names in `model.safetensors`
-(sharded above `--max-shard-size`), with `config.json` and the tokenizer files, in DST. The
+(sharded above `--max-shard-size`), with `config.json`, the tokenizer files and a
+sentence-transformers folder's own files (`modules.json`, `1_Pooling/`, ...), in DST. The
 report says what was renamed, what was dropped, and that DST reads back bit for bit.
 
 Exit status: 0 converted and verified; 1 the written files did not read back identically;
@@ -85,6 +86,7 @@ def _names(keys: list[str], limit: int = 8) -> str:
 def convert(args: argparse.Namespace) -> int:
     from bert_port import BertConfig
     from bert_port import checkpoint as ckpt
+    from bert_port.base_bert import ST_FILES, sentence_transformers_folders
 
     dst = Path(args.dst).expanduser()
     files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
@@ -142,6 +144,9 @@ def convert(args: argparse.Namespace) -> int:
     if info["newly_initialized"]:
         print(f"new:       {_names(info['newly_initialized'])} (initialised afresh: not in the source)")
     print(f"written:   {dst}: {', '.join(out_files)}")
+    kept = [n for n in ST_FILES if (dst / n).is_file()]
+    if kept:  # a sentence-transformers folder stays one: SentenceTransformer(DST) pools as SRC did
+        print(f"kept:      sentence-transformers files {', '.join(kept + sentence_transformers_folders(dst))}")
     print(f"tensors:   {len(saved)}, {ckpt.human_bytes(nbytes)}, {str(model.dtype).removeprefix('torch.')}")
     if not same:
         print(f"FAILED: {written.weights_file} does not read back identically to what was saved", file=sys.stderr)
