@@ -94,7 +94,7 @@ def test_saved_model_and_converted_checkpoint_load_in_sentence_transformers(tmp_
         torch.testing.assert_close(SentenceEncoder.from_pretrained(out).encode(TEXTS), expected, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("pooling", [("cls",), ("max",), ("mean",), ("mean", "max"), ("max", "cls")])
+@pytest.mark.parametrize("pooling", [("cls",), ("mean", "max"), ("max", "cls")])  # all modes: the tiny test below
 def test_encoder_save_writes_its_own_pipeline(tmp_path, minilm_path, pooling):
     from sentence_transformers import SentenceTransformer
 
@@ -102,9 +102,10 @@ def test_encoder_save_writes_its_own_pipeline(tmp_path, minilm_path, pooling):
     encoder.save_pretrained(tmp_path)
     reloaded = SentenceTransformer(str(tmp_path), device="cpu", local_files_only=True)
     assert reloaded.max_seq_length == 64
-    actual = encoder.encode(TEXTS)
-    assert actual.shape == (len(TEXTS), 384 * len(pooling))
-    torch.testing.assert_close(actual, _st_encode(reloaded), **TOL[torch.float32])
+    texts = TEXTS[:7]  # one over max_seq_length
+    actual = encoder.encode(texts)
+    assert actual.shape == (len(texts), 384 * len(pooling))
+    torch.testing.assert_close(actual, _st_encode(reloaded, texts), **TOL[torch.float32])
     again = SentenceEncoder.from_pretrained(tmp_path)
     assert again.pooling == pooling and not again.normalize and again.max_seq_length == 64
 
