@@ -440,10 +440,8 @@ class BertPreTrainedModel(nn.Module):
         # transformers does when a BertModel loads a BertForSequenceClassification checkpoint.
         if key.startswith(ckpt.HEAD_PREFIXES):
             return True
-        encoder = self.get_submodule(self.port_encoder_prefix.rstrip("."))  # self, or the task model's `bert`
-        return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not getattr(
-            encoder, "add_pooling_layer", True
-        )
+        # The BertModel decides (a task model's `bert`): MLM, token and QA models have no pooler.
+        return key.startswith(("pooler_dense.", "bert.pooler_dense.")) and not self.encoder.add_pooling_layer
 
     def _materialize_new(self, keys: list[str], dtype: torch.dtype | None, device: torch.device | None) -> None:
         owners = {k.rsplit(".", 1)[0] for k in keys}
