@@ -47,23 +47,25 @@ lint: setup
 	$(VENV)/bin/ruff check bert_port tests scripts
 	$(VENV)/bin/ruff format --check bert_port tests scripts
 
-# The package as a user gets it: a wheel, installed outside any checkout (--target, run from
-# a temporary folder), must find its configs and the bundled checkpoint and run the parity
-# check. `rm -rf build` first: setuptools packs whatever an earlier build left in build/lib.
-WHEEL_DIR := build/wheel-check
+# The package as a user gets it: the wheel, installed outside any checkout (`--target` a
+# temporary folder, run from there), must import from there, find its configs and the bundled
+# checkpoint, and run the parity check. `rm -rf build` first: setuptools packs whatever an
+# earlier build left in build/lib.
 wheel-check: setup
-	rm -rf build && mkdir -p $(WHEEL_DIR)
+	rm -rf build && mkdir -p build/wheel
 	$(PY) -m pip wheel --quiet --no-deps $$($(PY) -c 'import setuptools' 2>/dev/null && echo --no-build-isolation) \
-	  --wheel-dir $(WHEEL_DIR)/dist .
-	$(PY) -m pip install --quiet --no-deps --target $(WHEEL_DIR)/site $(WHEEL_DIR)/dist/bert_port-*.whl
-	cd $(WHEEL_DIR) && export PYTHONPATH=$(CURDIR)/$(WHEEL_DIR)/site && \
-	  $(abspath $(PY)) -c 'import bert_port, sys; from pathlib import Path; \
-	    site = Path(sys.argv[1]).resolve(); where = Path(bert_port.__file__).resolve(); \
-	    assert site in where.parents, f"bert_port imported from {where}, not from the wheel in {site}"; \
-	    assert (where.parent / "configs" / "bert-base-uncased.json").is_file(), "configs/ missing from the wheel"; \
-	    print("bert_port from", where.parent)' site && \
-	  $(abspath $(PY)) site/bin/bert-port-parity --device cpu --dtype float32 --no-progress && \
-	  $(abspath $(PY)) -m bert_port.cli.finetune --help > /dev/null && echo "wheel-check: OK"
+	  --wheel-dir build/wheel .
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; py=$(abspath $(PY)); \
+	$$py -m pip install --quiet --no-deps --target "$$tmp/site" build/wheel/bert_port-*.whl; \
+	cd "$$tmp"; export PYTHONPATH="$$tmp/site"; \
+	$$py -c 'import bert_port, sys; from pathlib import Path; \
+	  site = Path(sys.argv[1]).resolve(); where = Path(bert_port.__file__).resolve(); \
+	  assert site in where.parents, f"bert_port imported from {where}, not from the wheel in {site}"; \
+	  assert (where.parent / "configs" / "bert-base-uncased.json").is_file(), "configs/ missing from the wheel"; \
+	  print("bert_port from", where.parent)' "$$tmp/site"; \
+	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
+	$$py -m bert_port.cli.finetune --help > /dev/null; \
+	echo "wheel-check: OK"
 
 finetune: setup
 	$(VENV)/bin/bert-port-finetune --config bert_port/configs/finetune_mr_minilm.json
