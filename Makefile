@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup parity test test-fast test-kernels lint finetune bench clean
+.PHONY: setup parity test test-fast test-kernels lint wheel-check finetune bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -32,8 +32,9 @@ test-fast: setup
 # names them: default (ATen's generic kernels), avx2 (ATen's AVX2 kernels) and onednn
 # (oneDNN and MKL capped at AVX2). CI runs the generic ones.
 KERNELS      ?= default avx2 onednn
-PARITY_TESTS := tests/test_tolerance.py tests/test_parity_check.py tests/test_interface.py tests/test_foundation.py \
-                tests/test_packing.py tests/test_export.py tests/test_roundtrip.py tests/test_classifier.py
+PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert.py \
+                tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
+                tests/test_classifier.py
 ENV_default  := ATEN_CPU_CAPABILITY=default
 ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
 ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
@@ -45,6 +46,26 @@ test-kernels: setup
 lint: setup
 	$(VENV)/bin/ruff check bert_port tests scripts
 	$(VENV)/bin/ruff format --check bert_port tests scripts
+
+# The package as a user gets it: the wheel, installed outside any checkout (`--target` a
+# temporary folder, run from there), must import from there, find its configs and the bundled
+# checkpoint, and run the parity check. `rm -rf build` first: setuptools packs whatever an
+# earlier build left in build/lib.
+wheel-check: setup
+	rm -rf build && mkdir -p build/wheel
+	$(PY) -m pip wheel --quiet --no-deps $$($(PY) -c 'import setuptools' 2>/dev/null && echo --no-build-isolation) \
+	  --wheel-dir build/wheel .
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; py=$(abspath $(PY)); \
+	$$py -m pip install --quiet --no-deps --target "$$tmp/site" build/wheel/bert_port-*.whl; \
+	cd "$$tmp"; export PYTHONPATH="$$tmp/site"; \
+	$$py -c 'import bert_port, sys; from pathlib import Path; \
+	  site = Path(sys.argv[1]).resolve(); where = Path(bert_port.__file__).resolve(); \
+	  assert site in where.parents, f"bert_port imported from {where}, not from the wheel in {site}"; \
+	  assert (where.parent / "configs" / "bert-base-uncased.json").is_file(), "configs/ missing from the wheel"; \
+	  print("bert_port from", where.parent)' "$$tmp/site"; \
+	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
+	$$py -m bert_port.cli.finetune --help > /dev/null; \
+	echo "wheel-check: OK"
 
 finetune: setup
 	$(VENV)/bin/bert-port-finetune --config bert_port/configs/finetune_mr_minilm.json

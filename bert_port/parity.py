@@ -598,9 +598,11 @@ def report_to_json(report: Report) -> dict[str, Any]:
 
 def plot_report(report: Report, path: str | Path) -> Path:
     """PNG: per site, max abs difference (left) and share of tolerance used (right), log
-    scale, one colour per device x dtype; solid ours, dashed the reference spread."""
-    import matplotlib
+    scale, one colour per device x dtype; solid ours, dashed the reference spread. Needs
+    matplotlib (`pip install 'bert-port[plot]'`); raises `MissingExtra` without it."""
+    from .extras import require
 
+    matplotlib = require("matplotlib", "the parity plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

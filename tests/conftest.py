@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny config, seeded RNG, the bundled real checkpoint, a rebuilt
-bert-base-uncased-layout checkpoint, and the tolerance table (the package's policy)."""
+"""Shared fixtures and helpers: a tiny config, seeded RNG, the bundled real checkpoint, a
+rebuilt bert-base-uncased-layout checkpoint, the tolerance table (the package's policy), the
+port built from a transformers model through the production loader, and bitwise checks."""
 
 from __future__ import annotations
 
@@ -89,6 +90,35 @@ def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **k
     hf_config._attn_implementation = attn
     torch.manual_seed(0)
     return getattr(transformers, cls_name)(hf_config, **kwargs).eval()
+
+
+def port_from_hf(hf, config: dict, **overrides):
+    """The port holding `hf`'s weights, loaded by the production loader (`load_hf_state_dict`),
+    in eval mode; `overrides` set config fields (`**EXACT` for the padded eager path that is
+    bitwise equal to transformers' eager path)."""
+    from bert_port import BertConfig, BertModel
+
+    model = BertModel(BertConfig.from_dict(config, **overrides))
+    model.load_hf_state_dict(hf.state_dict())
+    return model.eval()
+
+
+def outputs_on_real_tokens(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden state, pooler output) of either model, pad positions zeroed: the port's
+    unpadded default writes zeros there, transformers computes values no consumer reads."""
+    with torch.no_grad():
+        out = model(**batch)
+    hidden = out["last_hidden_state"]
+    if isinstance(batch, dict) and "attention_mask" in batch:
+        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], 0)
+    return hidden, out["pooler_output"]
+
+
+def assert_bitwise(actual, expected) -> None:
+    """Each tensor of `actual` equals the one of `expected` bit for bit, dtype and shape too."""
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert torch.equal(a, e), f"max abs diff {(a - e).abs().max().item():.3e}"
 
 
 def random_batch(vocab_size: int, B: int = 3, T: int = 9, pad: str = "right", seed: int = 0) -> dict:

@@ -11,17 +11,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REAL_SENTENCES, TOL, hf_model, random_batch
+from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
 from bert_port.attention import varlen_supported
 from bert_port.packing import pack, pad, unpad
-
-
-def _port_from_hf(hf, config: dict, **overrides) -> BertModel:
-    model = BertModel(BertConfig.from_dict(config, **overrides))
-    model.load_hf_state_dict(hf.state_dict())
-    return model.eval()
 
 
 def _holes_batch(vocab_size: int) -> dict:
@@ -99,8 +93,8 @@ def test_the_layer_body_is_what_runs(tiny_config):
 @pytest.mark.parametrize("holes", [False, True], ids=["right-padded", "holes"])
 def test_tiny_unpadded_matches_padded_and_transformers(tiny_config, attn, holes):
     hf = hf_model(tiny_config, attn="sdpa")
-    ours = _port_from_hf(hf, tiny_config, attn_implementation=attn)
-    padded = _port_from_hf(hf, tiny_config, unpad_inputs=False)
+    ours = port_from_hf(hf, tiny_config, attn_implementation=attn)
+    padded = port_from_hf(hf, tiny_config, unpad_inputs=False)
     batch = _holes_batch(tiny_config["vocab_size"]) if holes else random_batch(tiny_config["vocab_size"])
     real = batch["attention_mask"].bool()
     assert ours.packing_for(batch["attention_mask"]) is not None
@@ -157,7 +151,7 @@ def test_bf16_autocast_stays_within_transformers_own_bf16_error(tiny_config):
     """Under CPU bf16 autocast the unpadded path is no further from fp32 transformers than
     transformers' own bf16 autocast is (with slack for a different rounding pattern)."""
     hf = hf_model(tiny_config, attn="sdpa")
-    ours = _port_from_hf(hf, tiny_config)
+    ours = port_from_hf(hf, tiny_config)
     batch = random_batch(tiny_config["vocab_size"])
     real = batch["attention_mask"].bool()
     with torch.no_grad():
@@ -223,7 +217,7 @@ def test_gradients_match_the_padded_path(tiny_config):
     through the unpadded path and through the padded one."""
     config = {**tiny_config, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     hf = hf_model(config)
-    model = _port_from_hf(hf, config).train()
+    model = port_from_hf(hf, config).train()
     batch = random_batch(config["vocab_size"])
     real = batch["attention_mask"].bool()
     target = torch.randn(*real.shape, config["hidden_size"])

@@ -6,8 +6,9 @@ pooler_output on real text and on edge cases, beside transformers' own eager-vs-
 spread. By default both sides read the same file, which checks the forward pass and the
 key mapping but cannot see wrong weights; `--reference-checkpoint` has transformers read a
 known-good checkpoint instead, to diff a converted, fine-tuned or suspect one against it.
-Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage or a checkpoint
-that cannot be loaded (or two checkpoints of different architectures).
+Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage, a checkpoint
+that cannot be loaded (or two checkpoints of different architectures), or a missing extra
+(transformers: `pip install 'bert-port[parity]'`; matplotlib for --plot: `bert-port[plot]`).
 """
 
 from __future__ import annotations
@@ -300,7 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not Path(path).resolve().parent.is_dir():
             parser.error(f"cannot write {path}: directory {Path(path).resolve().parent} does not exist")
 
-    import transformers
+    from bert_port.extras import MissingExtra, require
+
+    try:  # before any work: the reference, and matplotlib when a plot is asked for
+        transformers = require("transformers", "bert-port-parity (transformers is the reference)")
+        if args.plot:
+            require("matplotlib", "--plot")
+    except MissingExtra as exc:
+        return _fail(str(exc))
 
     from bert_port import BertConfig, ConfigError, load_tokenizer
     from bert_port.assets import minilm_dir

@@ -1,8 +1,8 @@
-"""Checkpoints: the HF <-> port key table, key normalisation, reading and writing files,
-and finding checkpoints in the local Hugging Face cache.
-
-The conversions are pure functions (state dict in, state dict out). File I/O lives in the
-`read_*` / `write_*` functions below them, and never in the model.
+"""Checkpoint files: reading weights (safetensors, PyTorch pickles, shard indexes), and
+writing them as one staged unit (temporaries, a commit journal, a directory lock), sharded
+by huggingface_hub. Also the NaN/Inf check of loaded weights, which reads memory-mapped
+safetensors from the file rather than through the mapping, so that loading keeps no page
+of the weights resident.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
+
+from .errors import CheckpointError, short_list
 
 try:
     import fcntl
@@ -37,257 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------------------
-# The key table: Hugging Face BertModel name -> port name, "{}" standing for the layer index.
-# This is the only place names are spelled out; the inverse is derived from it.
-
-HF_TO_PORT: dict[str, str] = {
-    "embeddings.word_embeddings.weight": "word_embedding.weight",
-    "embeddings.position_embeddings.weight": "pos_embedding.weight",
-    "embeddings.token_type_embeddings.weight": "tk_type_embedding.weight",
-    "embeddings.LayerNorm.weight": "embed_layer_norm.weight",
-    "embeddings.LayerNorm.bias": "embed_layer_norm.bias",
-    "encoder.layer.{}.attention.self.query.weight": "bert_layers.{}.self_attention.query.weight",
-    "encoder.layer.{}.attention.self.query.bias": "bert_layers.{}.self_attention.query.bias",
-    "encoder.layer.{}.attention.self.key.weight": "bert_layers.{}.self_attention.key.weight",
-    "encoder.layer.{}.attention.self.key.bias": "bert_layers.{}.self_attention.key.bias",
-    "encoder.layer.{}.attention.self.value.weight": "bert_layers.{}.self_attention.value.weight",
-    "encoder.layer.{}.attention.self.value.bias": "bert_layers.{}.self_attention.value.bias",
-    "encoder.layer.{}.attention.output.dense.weight": "bert_layers.{}.attention_dense.weight",
-    "encoder.layer.{}.attention.output.dense.bias": "bert_layers.{}.attention_dense.bias",
-    "encoder.layer.{}.attention.output.LayerNorm.weight": "bert_layers.{}.attention_layer_norm.weight",
-    "encoder.layer.{}.attention.output.LayerNorm.bias": "bert_layers.{}.attention_layer_norm.bias",
-    "encoder.layer.{}.intermediate.dense.weight": "bert_layers.{}.interm_dense.weight",
-    "encoder.layer.{}.intermediate.dense.bias": "bert_layers.{}.interm_dense.bias",
-    "encoder.layer.{}.output.dense.weight": "bert_layers.{}.out_dense.weight",
-    "encoder.layer.{}.output.dense.bias": "bert_layers.{}.out_dense.bias",
-    "encoder.layer.{}.output.LayerNorm.weight": "bert_layers.{}.out_layer_norm.weight",
-    "encoder.layer.{}.output.LayerNorm.bias": "bert_layers.{}.out_layer_norm.bias",
-    "pooler.dense.weight": "pooler_dense.weight",
-    "pooler.dense.bias": "pooler_dense.bias",
-}
-PORT_TO_HF: dict[str, str] = {v: k for k, v in HF_TO_PORT.items()}
-if len(PORT_TO_HF) != len(HF_TO_PORT):
-    raise ImportError("checkpoint.HF_TO_PORT must be one-to-one: two HF names map to the same port name")
-
-# Keys that real checkpoints carry and the encoder does not need. Buffers are accepted
-# silently; pretraining heads are dropped and reported.
-BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
-DROPPED_PREFIXES = ("cls.predictions.", "cls.seq_relationship.")
-# Wrappers that training code puts around a model: DDP, torch.compile, HF task models.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "bert.")
-# Keys of task heads that sit beside the encoder and keep their names in both layouts
-# (issue 13: the MLM / NSP heads `cls.*` and the QA head `qa_outputs.*` joined `classifier.*`;
-# which model owns which head is said by the model classes in heads.py / classifier.py).
-HEAD_PREFIXES = ("classifier.", "qa_outputs.", "cls.")
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read or does not fit the model. The message says why
-    and what to do; nothing has been loaded into the model when this is raised.
-
-    When an argument of the loader gets past the problem, the error names it as data
-    (`argument`, `value`) and `hint` says what it does, with `{}` where the argument goes:
-    `str(error)` spells it for Python (`check_finite='warn'`), `for_command_line` with the
-    flag of a command line (`--check-finite warn`)."""
-
-    def __init__(self, message: str, *, hint: str = "", argument: str = "", value: str | None = None):
-        self.message, self.hint, self.argument, self.value = message, hint, argument, value
-        python = f"{argument}={'<path>' if value is None else repr(value)}"
-        super().__init__(self._with_hint(python))
-
-    def _with_hint(self, spelling: str | None) -> str:
-        if not self.hint or spelling is None:
-            return self.message
-        return f"{self.message} {self.hint.format(spelling)}"
-
-    def for_command_line(self, flags: Mapping[str, str]) -> str:
-        """The message with its hint naming a command-line flag: `flags` maps loader
-        arguments to the flags of the command (`{"check_finite": "--check-finite"}`). An
-        argument the command has no flag for is left out of the message."""
-        if not self.argument:
-            return str(self)
-        flag = flags.get(self.argument)
-        if flag is None:
-            return self._with_hint(None)
-        return self._with_hint(f"{flag} {'<path>' if self.value is None else self.value}")
-
-
-def _map_key(key: str, table: Mapping[str, str]) -> str | None:
-    """Look `key` up in a `{}`-templated table; None when it has no entry."""
-    match = _LAYER_INDEX.search(key)
-    if match is None:
-        return table.get(key)
-    template = table.get(key[: match.start()] + ".{}." + key[match.end() :])
-    return None if template is None else template.format(match.group(1))
-
-
-# -----------------------------------------------------------------------------------------
-# Pure conversions
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a checkpoint file spells HF names: the wrapper prefix before the encoder's keys
-    (`bert.` in bert-base-uncased, `module.` from DDP, ...) and whether its LayerNorms use
-    the TF-era `gamma`/`beta`. Sniffed from the file's keys, to name in an error a tensor
-    the file lacks as the file would have named it."""
-
-    prefix: str = ""
-    legacy_layer_norm: bool = False
-
-    def spell(self, port_key: str) -> str:
-        """The name a port key (without a task model's `bert.`) has in a file of this layout."""
-        if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
-            return self.prefix.removesuffix("bert.") + port_key
-        hf_key = _map_key(port_key, PORT_TO_HF) or port_key
-        if self.legacy_layer_norm and hf_key.endswith(("LayerNorm.weight", "LayerNorm.bias")):
-            hf_key = hf_key.rsplit(".", 1)[0] + (".gamma" if hf_key.endswith("weight") else ".beta")
-        return self.prefix + hf_key
-
-
-@dataclass
-class Conversion:
-    """The result of converting a checkpoint's keys: tensors under port names, plus what
-    was dropped on the way and what could not be placed."""
-
-    state_dict: dict[str, Tensor]
-    dropped: list[str] = field(default_factory=list)  # pretraining heads, reported at INFO
-    unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
-    buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
-    renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
-    sources: dict[str, str] = field(default_factory=dict)  # key in state_dict -> the key in the file
-    layout: Layout = field(default_factory=Layout)  # how the file spells names, for messages
-
-
-def _split_prefix(key: str) -> tuple[str, str]:
-    """(wrapper prefixes, the rest): `module.bert.encoder...` -> (`module.bert.`, `encoder...`)."""
-    prefix, stripped = "", True
-    while stripped:
-        stripped = False
-        for wrapper in WRAPPER_PREFIXES:
-            if key.startswith(wrapper):
-                prefix, key, stripped = prefix + wrapper, key[len(wrapper) :], True
-    return prefix, key
-
-
-def detect_layout(keys: Iterable[str]) -> Layout:
-    """The layout of a file from its keys: the wrapper prefix most of its encoder keys carry,
-    and gamma/beta when most of its LayerNorm keys use them."""
-    prefixes: Counter[str] = Counter()
-    legacy = modern = 0
-    for raw in keys:
-        prefix, rest = _split_prefix(raw)
-        if _map_key(normalize_hf_key(rest), HF_TO_PORT) is not None:
-            prefixes[prefix] += 1
-        if rest.endswith(("LayerNorm.gamma", "LayerNorm.beta")):
-            legacy += 1
-        elif rest.endswith(("LayerNorm.weight", "LayerNorm.bias")):
-            modern += 1
-    return Layout(prefix=prefixes.most_common(1)[0][0] if prefixes else "", legacy_layer_norm=legacy > modern)
-
-
-def normalize_hf_key(key: str) -> str:
-    """Bring one incoming key to the bare HF BertModel name (`embeddings...`,
-    `encoder.layer.N...`, `pooler...`): strip wrapper prefixes, rename the legacy
-    TF-era `LayerNorm.gamma/beta` to `weight/bias`."""
-    key = _split_prefix(key)[1]
-    if key.endswith("LayerNorm.gamma"):
-        key = key[: -len("gamma")] + "weight"
-    elif key.endswith("LayerNorm.beta"):
-        key = key[: -len("beta")] + "bias"
-    return key
-
-
-def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = ()) -> Conversion:
-    """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
-    sentence-transformers, legacy gamma/beta) to port names. Task-head keys such as
-    `classifier.*` keep their names. Pretraining-head keys (`cls.*`) are dropped unless
-    they start with one of `keep_heads`, the heads of the model being loaded (issue 13)."""
-    out = Conversion(state_dict={}, layout=detect_layout(state_dict))
-    for raw_key, tensor in state_dict.items():
-        key = normalize_hf_key(raw_key)
-        if key != raw_key:
-            out.renamed[raw_key] = key
-        if key in BUFFER_KEYS:
-            out.buffers.append(raw_key)
-            continue
-        if key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
-            out.dropped.append(raw_key)
-            continue
-        if key.startswith(HEAD_PREFIXES):
-            new_key = key
-        else:
-            new_key = _map_key(key, HF_TO_PORT)
-        if new_key is None:
-            out.unmapped.append(raw_key)
-            new_key = raw_key  # kept under its own name so the load error can list it
-        if new_key in out.state_dict:
-            raise CheckpointError(
-                f"checkpoint has two tensors for {new_key!r} (one of them {raw_key!r}); "
-                "it mixes layouts, so re-export it from its source"
-            )
-        out.state_dict[new_key] = tensor
-        out.sources[new_key] = raw_key
-    if out.dropped:
-        log.info(
-            "dropped %d pretraining-head tensors not used by the encoder: %s",
-            len(out.dropped),
-            ", ".join(sorted(out.dropped)),
-        )
-    return out
-
-
-def layer_indices(state_dict: Iterable[str]) -> set[int]:
-    """The encoder layer indices a state dict (any layout) has tensors for."""
-    out = set()
-    for raw in state_dict:
-        match = re.match(r"encoder\.layer\.(\d+)\.", normalize_hf_key(raw))
-        if match:
-            out.add(int(match.group(1)))
-    return out
-
-
-def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
-    """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
-    module is built: a config claiming 100000 layers would otherwise build them all
-    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
-    config's cost nothing to build against and are listed by the load's usual error."""
-    have = layer_indices(state_dict)
-    if set(range(num_hidden_layers)) <= have:
-        return
-    found = sorted(have)
-    shown = (
-        f"layers {short_list([str(i) for i in found], 10)}"
-        if found
-        else "no encoder layers (no key like encoder.layer.0.*)"
-    )
-    raise CheckpointError(
-        f"cannot load {source}: config.json gives num_hidden_layers={num_hidden_layers}, but the checkpoint has "
-        f"tensors for {shown} ({len(found)} in all). Check that the config belongs to these weights. "
-        "Nothing was loaded"
-    )
-
-
-def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "") -> dict[str, Tensor]:
-    """Inverse of `hf_to_port` for a port state dict. Encoder keys get HF names with
-    `encoder_prefix` (``""`` for BertModel, ``"bert."`` for task models); head keys keep
-    their names."""
-    out = {}
-    for key, tensor in state_dict.items():
-        if key.startswith(HEAD_PREFIXES):
-            out[key] = tensor
-            continue
-        hf_key = _map_key(key, PORT_TO_HF)
-        if hf_key is None:
-            raise KeyError(f"port key {key!r} has no entry in the key table (checkpoint.HF_TO_PORT)")
-        out[encoder_prefix + hf_key] = tensor
-    return out
-
-
-# -----------------------------------------------------------------------------------------
-# Locating checkpoints
+# File names
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -304,156 +55,6 @@ TOKENIZER_FILES = (
 )
 
 
-@dataclass
-class CheckpointFiles:
-    directory: Path  # where config, tokenizer files and shards live
-    config_file: Path
-    weights_file: Path  # a weights file or an index
-
-
-def hf_cache_dir() -> tuple[Path, str]:
-    """The hub cache directory, and the rule that chose it, computed as
-    `huggingface_hub.constants.HF_HUB_CACHE` is: `HF_HUB_CACHE`, else the legacy
-    `HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
-    else `~/.cache/huggingface/hub`, with `~` and `$VARS` expanded. One difference: a
-    variable set to the empty string counts as unset here (huggingface_hub would take ""
-    and search the working directory)."""
-    env = os.environ.get
-    if env("HF_HUB_CACHE"):
-        raw, rule = env("HF_HUB_CACHE"), "HF_HUB_CACHE"
-    elif env("HUGGINGFACE_HUB_CACHE"):
-        raw, rule = env("HUGGINGFACE_HUB_CACHE"), "HUGGINGFACE_HUB_CACHE"
-    elif env("HF_HOME"):
-        raw, rule = os.path.join(env("HF_HOME"), "hub"), "HF_HOME"
-    elif env("XDG_CACHE_HOME"):
-        raw, rule = os.path.join(env("XDG_CACHE_HOME"), "huggingface", "hub"), "XDG_CACHE_HOME"
-    else:
-        raw, rule = os.path.join("~", ".cache", "huggingface", "hub"), "the default, no HF_* variable set"
-    return Path(os.path.expandvars(os.path.expanduser(raw))), rule
-
-
-# A hub repo id: `name` or `org/name` of word characters, `-` and `.` (huggingface_hub's
-# validate_repo_id also rejects `--` and `..`, which would break the cache folder name).
-_REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
-
-
-def is_repo_id(name: str) -> bool:
-    return bool(_REPO_ID.fullmatch(name)) and "--" not in name and ".." not in name and not name.startswith(".")
-
-
-def _is_ref_name(revision: str) -> bool:
-    """A ref name or commit that stays inside `refs/` and `snapshots/`: relative, no `..`
-    or empty parts, no backslash or NUL."""
-    if not isinstance(revision, str) or not revision or "\\" in revision or "\0" in revision:
-        return False
-    parts = revision.split("/")
-    return not revision.startswith("/") and all(p not in ("", ".", "..") for p in parts)
-
-
-def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
-    """The snapshot directory of `model_id` in the local HF cache, without any network.
-
-    Follows the hub cache layout (huggingface_hub's `try_to_load_from_cache`):
-    `models--{org}--{name}/refs/{revision}` holds a commit hash and
-    `snapshots/{hash}/` the files; a revision with no ref file is taken as a commit hash.
-    Raises `CheckpointError` naming the directories searched and what was found there.
-    """
-    cache, rule = hf_cache_dir()
-    repo = cache / ("models--" + model_id.replace("/", "--"))
-    not_local = f"{model_id!r} is not a local path ({Path(model_id).absolute()} does not exist)"
-    fix = (
-        f"Pass a checkpoint directory, point HF_HUB_CACHE or HF_HOME at the cache that holds the model, or "
-        f"download it on a machine with network access (`hf download {model_id}`) and copy the cache over."
-    )
-    if not repo.is_dir():
-        raise CheckpointError(
-            f"{not_local} and the Hugging Face cache has no copy of it: searched {repo} "
-            f"(cache {cache}, chosen by {rule}). {fix}"
-        )
-    # A revision is a ref name (`main`, `refs/pr/1`) or a commit hash, and a ref file holds a
-    # commit hash: neither may lead out of the repo's folder. As huggingface_hub's
-    # try_to_load_from_cache does, the commit is used only if it names an existing snapshot.
-    if not _is_ref_name(revision):
-        raise CheckpointError(
-            f"revision {revision!r} is not a ref name or commit hash (it is empty, absolute, or has a '..' part); "
-            "use a branch such as 'main' or a commit hash",
-            hint="Pass {}",
-            argument="revision",
-            value="main",
-        )
-    ref = repo / "refs" / revision
-    try:
-        commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else revision
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read the cache ref {ref} ({exc}); download the model again") from None
-    if ref.is_file() and not (_is_ref_name(commit) and "/" not in commit):
-        raise CheckpointError(
-            f"the cache ref {ref} holds {commit[:80]!r}, not a commit hash; the cache is damaged: download the "
-            f"model again (`hf download {model_id}`)"
-        )
-    snapshots_dir = repo / "snapshots"
-    try:
-        listed = set(os.listdir(snapshots_dir)) if snapshots_dir.is_dir() else set()
-    except OSError as exc:
-        raise CheckpointError(f"cannot list {snapshots_dir} ({exc})") from None
-    snapshot = snapshots_dir / commit
-    if commit in listed and snapshot.is_dir():
-        return snapshot
-    snapshots = sorted(p.name for p in (repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
-    refs = sorted(p.name for p in (repo / "refs").glob("*")) if (repo / "refs").is_dir() else []
-    where = (
-        f"{ref} points at {commit}, but {snapshot} does not exist (an interrupted download?)"
-        if ref.is_file()
-        else f"there is no {ref} and no snapshot named {revision!r}"
-    )
-    raise CheckpointError(
-        f"{not_local} and the Hugging Face cache at {repo} (cache chosen by {rule}) has no snapshot for revision "
-        f"{revision!r}: {where}. Refs there: {refs or 'none'}; snapshots: {snapshots or 'none'}. {fix}"
-    )
-
-
-def locate_checkpoint(
-    path: str | os.PathLike, config_file: str | os.PathLike | None = None, revision: str = "main"
-) -> CheckpointFiles:
-    """Resolve a directory, a weights file, or a model id from the HF cache to files.
-    A string that is not an existing path and looks like a hub id (`name` or `org/name`)
-    is looked up in the cache; `revision` picks the ref (or commit) there."""
-    try:
-        return _locate_checkpoint(path, config_file, revision)
-    except OSError as exc:  # a folder or file we may not read (permissions), a name too long, ...
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
-
-
-def _locate_checkpoint(
-    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str
-) -> CheckpointFiles:
-    if isinstance(path, str) and "\0" in path:
-        raise CheckpointError(f"no checkpoint at {path!r}: a path cannot hold a NUL character")
-    p = Path(path).expanduser()
-    if not p.exists():
-        if isinstance(path, str) and is_repo_id(path):
-            p = find_in_hf_cache(path, revision)
-        else:
-            raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
-    recover(p if p.is_dir() else p.parent)  # a save killed mid-commit is finished first
-    if p.is_dir():
-        weights = next((p / name for name in WEIGHT_NAMES if (p / name).is_file()), None)
-        if weights is None:
-            present = sorted(x.name for x in p.iterdir())[:20]
-            raise CheckpointError(f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}")
-        directory = p
-    else:
-        weights, directory = p, p.parent
-    config = Path(config_file) if config_file is not None else directory / CONFIG_NAME
-    if not config.is_file():
-        raise CheckpointError(
-            f"no config for checkpoint {weights}: expected {config}. Put the model's config.json beside the weights",
-            hint="or pass {}",
-            argument="config_file",
-        )
-    return CheckpointFiles(directory=directory, config_file=config, weights_file=weights)
-
-
 # -----------------------------------------------------------------------------------------
 # Reading
 
@@ -467,11 +68,16 @@ def _unreadable(path: Path, exc: OSError) -> CheckpointError:
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, memory-mapped (no page is read until used), each
+    remembered with its place in the file for `non_finite`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path))
+        before = _identity(os.stat(path))
+        tensors = load_file(str(path))
+        offsets = _data_offsets(path)
+        same_file = _identity(os.stat(path)) == before  # not replaced while it was being mapped
     except OSError as exc:
         raise _unreadable(path, exc) from None
     except (SafetensorError, ValueError) as exc:
@@ -479,6 +85,26 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
             f"{path} is not a readable safetensors file ({exc}). It is probably truncated or "
             "corrupt: download or copy it again"
         ) from None
+    if same_file:
+        for key, tensor in tensors.items():
+            span = offsets.get(key)
+            if span is not None and span[1] - span[0] == tensor.numel() * tensor.element_size():
+                _origins()[tensor] = _FileSpan(str(path), before, span[0], tensor._version)
+    return tensors
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes lie in a safetensors file: an 8-byte little-endian header
+    length, the JSON header (`data_offsets` relative to its end), then the data."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    start = 8 + length
+    return {
+        k: (start + v["data_offsets"][0], start + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 def _read_torch_pickle(path: Path) -> dict[str, Tensor]:
@@ -575,12 +201,6 @@ def _is_file(path: Path) -> bool:
         return path.is_file()
     except OSError:  # a name too long, a permission denied on the way: not a file we can read
         return False
-
-
-def short_list(names: list[str], limit: int = 20) -> str:
-    """The first `limit` names, and how many more: an error stays readable however many."""
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -935,20 +555,6 @@ def parse_size(size: int | str) -> int:
     return max(1, int(float(number) * base ** " KMGT".index(unit or " ")))
 
 
-def shard_state_dict(state_dict: Mapping[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
-    """Split into consecutive shards of at most `max_bytes` (a larger tensor gets its own)."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for key, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    return shards
-
-
 def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Contiguous CPU tensors, each with storage of its own: safetensors refuses tensors
     that share memory (tied weights, views into a fused buffer), so those are cloned."""
@@ -967,28 +573,22 @@ def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def stage_weights(stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB") -> list[str]:
     """Stage `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus
     `model.safetensors.index.json` when the weights exceed `max_shard_size` (HF's names and
-    index format). Returns the file names staged, the index last."""
+    index format, split by huggingface_hub as transformers splits them). Returns the file
+    names staged, the index last."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     tensors = _own_storage(state_dict)
-    shards = shard_state_dict(tensors, parse_size(max_shard_size))
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=parse_size(max_shard_size))
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
-    if len(shards) == 1:
-        save_file(shards[0], str(stage.path(SAFE_WEIGHTS)), metadata=metadata)
-        names = [SAFE_WEIGHTS]
-        for stale in stale_weights(stage.directory, names):
-            stage.remove(stale)
-        return names
-    names, weight_map = [], {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(stage.path(name)), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
+    names = []
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: tensors[k] for k in keys}, str(stage.path(name)), metadata=metadata)
         names.append(name)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    stage.text(SAFE_INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
-    names.append(SAFE_INDEX)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        stage.text(SAFE_INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        names.append(SAFE_INDEX)
     for stale in stale_weights(stage.directory, names):
         stage.remove(stale)
     return names
@@ -1026,19 +626,93 @@ def write_weights(state_dict: Mapping[str, Tensor], directory: Path, max_shard_s
     return [directory / n for n in names]
 
 
+# -----------------------------------------------------------------------------------------
+# The NaN/Inf check
+#
+# Safetensors weights are memory-mapped, and a check that reads them through the mapping
+# makes every page resident: loading bert-base then peaks at the whole file above what
+# transformers needs (which touches the pages only at the first forward). So a tensor that
+# `_read_safetensors` mapped, and that nothing has changed since, is checked from the file
+# in chunks through one small buffer: the OS page cache serves them, and none stays in the
+# process. Any other tensor is checked where it lies.
+
+_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class _FileSpan:
+    """Where a memory-mapped tensor's bytes lie: the file (and its identity when mapped),
+    the offset of its first byte, and the tensor's version counter then (an in-place change
+    bumps it, and the file no longer holds the tensor's values)."""
+
+    path: str
+    identity: tuple[int, int, int, int]
+    offset: int
+    version: int
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_ORIGINS = None
+
+
+def _origins():
+    """Tensor -> _FileSpan, holding no tensor alive (torch's dictionary keyed by tensor identity)."""
+    global _ORIGINS
+    if _ORIGINS is None:
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        _ORIGINS = WeakTensorKeyDictionary()
+    return _ORIGINS
+
+
+def _count_non_finite(tensor: Tensor) -> int:
+    # aminmax propagates NaN and exposes +-Inf without materialising a mask the size of the
+    # tensor (~10x faster than isfinite(t).all() on bert-base); the count only on failure.
+    lo, hi = torch.aminmax(tensor)
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return 0
+    return int((~torch.isfinite(tensor)).sum())
+
+
+def _count_in_file(tensor: Tensor, span: _FileSpan, buffer: bytearray) -> int | None:
+    """Non-finite values of a mapped tensor, read from its file chunk by chunk; None when
+    the file is not what was mapped any more (then the caller checks the tensor itself)."""
+    try:
+        with open(span.path, "rb", buffering=0) as f:
+            if _identity(os.fstat(f.fileno())) != span.identity:
+                return None
+            size = tensor.element_size()
+            nbytes, step = tensor.numel() * size, len(buffer) - len(buffer) % size
+            bad = 0
+            for start in range(0, nbytes, step):
+                n = min(step, nbytes - start)
+                f.seek(span.offset + start)
+                if f.readinto(memoryview(buffer)[:n]) != n:
+                    return None
+                bad += _count_non_finite(torch.frombuffer(buffer, dtype=tensor.dtype, count=n // size))
+            return bad
+    except OSError:
+        return None
+
+
 def non_finite(state_dict: Mapping[str, Tensor]) -> list[str]:
-    """Names of floating tensors holding NaN or Inf."""
-    bad = []
+    """Names of floating tensors holding NaN or Inf, each with how many values."""
+    bad, buffer = [], None
     for key, tensor in state_dict.items():
         if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        # aminmax propagates NaN and exposes +-Inf without materialising a mask the size of
-        # the tensor: ~10x faster than isfinite(t).all() on bert-base; the count is only
-        # computed for a tensor that fails.
-        lo, hi = torch.aminmax(tensor)
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            n = int((~torch.isfinite(tensor)).sum())
-            bad.append(f"{key} ({n} of {tensor.numel()} values NaN/Inf)")
+        span = _origins().get(tensor) if tensor.device.type == "cpu" else None
+        count = None
+        if span is not None and span.version == tensor._version and tensor.is_contiguous():
+            buffer = buffer or bytearray(_CHUNK_BYTES)
+            count = _count_in_file(tensor, span, buffer)
+        if count is None:
+            count = _count_non_finite(tensor)
+        if count:
+            bad.append(f"{key} ({count} of {tensor.numel()} values NaN/Inf)")
     return bad
 
 

@@ -1,50 +1,32 @@
-"""Round trip through Hugging Face format: save_pretrained -> transformers and back, bit for
-bit; sharding; config and tokenizer files; interrupted saves; `bert-port-convert`; model
-ids resolved in a local HF cache built here (never the network)."""
+"""Checkpoint files (`bert_port.checkpoint.files`): the round trip through Hugging Face format
+(save_pretrained -> transformers and back, bit for bit), sharding, config and tokenizer
+files, interrupted saves, `bert-port-convert`, and the NaN/Inf check of mapped weights."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, EXACT, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
+from conftest import (
+    CONFIGS,
+    EXACT,
+    REAL_SENTENCES,
+    TINY,
+    assert_bitwise,
+    hf_model,
+    outputs_on_real_tokens,
+    port_from_hf,
+    random_batch,
+)
 
-from bert_port import BertConfig, BertModel, CheckpointError, encode, load_tokenizer
+from bert_port import BertModel, encode, load_tokenizer
 from bert_port import checkpoint as ckpt
 from bert_port.cli.convert import main as convert_main
-
-
-def _port_from_hf(hf, config: dict, attn: str = "eager") -> BertModel:
-    """The port with `hf`'s weights, on the padded path: the same kernels on the same shapes
-    as transformers, so outputs can be compared bit for bit."""
-    model = BertModel(BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False))
-    model.load_hf_state_dict(hf.state_dict())
-    return model.eval()
-
-
-def _run(model, batch):
-    """Last hidden state on real tokens (pad positions zeroed: the port's unpadded default
-    writes zeros there, transformers computes values no consumer reads) and the pooler."""
-    with torch.no_grad():
-        out = model(**batch)
-    hidden = out["last_hidden_state"]
-    if isinstance(batch, dict) and "attention_mask" in batch:
-        hidden = hidden.masked_fill(~batch["attention_mask"].bool()[..., None], 0)
-    return hidden, out["pooler_output"]
-
-
-def _assert_bitwise(actual, expected):
-    for a, e in zip(actual, expected):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        assert torch.equal(a, e), f"max abs diff {(a - e).abs().max().item():.3e}"
 
 
 def _hf_load(directory, attn: str = "eager"):
@@ -70,7 +52,7 @@ def _listing(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_tiny_round_trip_is_bitwise(tmp_path, attn):
     hf = hf_model(TINY, attn=attn)
-    ours = _port_from_hf(hf, TINY, attn)
+    ours = port_from_hf(hf, TINY, attn_implementation=attn, unpad_inputs=False)
     ours.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     mode = os.stat(tmp_path / "model.safetensors").st_mode & 0o777
@@ -84,30 +66,30 @@ def test_tiny_round_trip_is_bitwise(tmp_path, attn):
     back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation=attn, unpad_inputs=False)
     for pad in ("right", "left"):
         batch = random_batch(TINY["vocab_size"], pad=pad)
-        expected = _run(ours, batch)
-        _assert_bitwise(_run(back_in_hf, batch), expected)
-        _assert_bitwise(_run(back_in_port, batch), expected)
-        _assert_bitwise(_run(hf, batch), expected)
+        expected = outputs_on_real_tokens(ours, batch)
+        assert_bitwise(outputs_on_real_tokens(back_in_hf, batch), expected)
+        assert_bitwise(outputs_on_real_tokens(back_in_port, batch), expected)
+        assert_bitwise(outputs_on_real_tokens(hf, batch), expected)
 
 
 def test_half_precision_save_loads_in_its_own_dtype(tmp_path):
     """transformers loads with dtype="auto", i.e. the config's dtype: the saved config must
     name the saved tensors' dtype even when the config read said float32."""
     hf = hf_model(TINY)
-    ours = _port_from_hf(hf, {**TINY, "torch_dtype": "float32"}).to(torch.bfloat16)
+    ours = port_from_hf(hf, {**TINY, "torch_dtype": "float32"}, **EXACT).to(torch.bfloat16)
     ours.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["dtype"] == "bfloat16" and written["torch_dtype"] == "bfloat16"
     back = _hf_load(tmp_path)
     assert back.dtype == torch.bfloat16
     batch = random_batch(TINY["vocab_size"])
-    _assert_bitwise(_run(back, batch), _run(ours, batch))
+    assert_bitwise(outputs_on_real_tokens(back, batch), outputs_on_real_tokens(ours, batch))
 
 
 def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
     """Legacy bert-base-uncased layout (bert. prefixes, gamma/beta, cls heads, as a
     pytorch_model.bin): load, save, reload in transformers and in the port, bit for bit.
-    (Loading the fixture's safetensors copy is covered in test_foundation.)"""
+    (Loading the fixture's safetensors copy is covered in test_bert.)"""
     root, reference = bert_base_layout
     fmt = "bin"
     ours = BertModel.from_pretrained(root / fmt, **EXACT)
@@ -116,13 +98,13 @@ def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
     assert not [k for k in keys if k.startswith(("bert.", "cls.")) or k.endswith(("gamma", "beta"))]
 
     batch = random_batch(30522, B=2, T=12)
-    expected = _run(ours, batch)
-    _assert_bitwise(_run(reference, batch), expected)  # reference: the same weights in transformers
+    expected = outputs_on_real_tokens(ours, batch)
+    assert_bitwise(outputs_on_real_tokens(reference, batch), expected)  # reference: the same weights in transformers
     back_in_hf = _hf_load(tmp_path)
-    _assert_bitwise(_run(back_in_hf, batch), expected)
+    assert_bitwise(outputs_on_real_tokens(back_in_hf, batch), expected)
     del back_in_hf
     back_in_port = BertModel.from_pretrained(tmp_path, **EXACT)
-    _assert_bitwise(_run(back_in_port, batch), expected)
+    assert_bitwise(outputs_on_real_tokens(back_in_port, batch), expected)
     written = json.loads((tmp_path / "config.json").read_text())
     read = json.loads((root / fmt / "config.json").read_text())
     assert {k: v for k, v in written.items() if k in read and k != "architectures"} == {
@@ -133,7 +115,7 @@ def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
 
 def test_sharded_save_loads_in_transformers_and_port(tmp_path):
     hf = hf_model(TINY)
-    ours = _port_from_hf(hf, TINY)
+    ours = port_from_hf(hf, TINY, **EXACT)
     ours.save_pretrained(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / ckpt.SAFE_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -143,9 +125,9 @@ def test_sharded_save_loads_in_transformers_and_port(tmp_path):
     assert not (tmp_path / ckpt.SAFE_WEIGHTS).exists()
 
     batch = random_batch(TINY["vocab_size"])
-    expected = _run(ours, batch)
-    _assert_bitwise(_run(_hf_load(tmp_path), batch), expected)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
+    expected = outputs_on_real_tokens(ours, batch)
+    assert_bitwise(outputs_on_real_tokens(_hf_load(tmp_path), batch), expected)
+    assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
 
     # Saving again unsharded removes the shards and index (model.safetensors would win anyway,
     # but stale shards must not linger); sharding again removes model.safetensors, which
@@ -154,7 +136,7 @@ def test_sharded_save_loads_in_transformers_and_port(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     ours.save_pretrained(tmp_path, max_shard_size=30_000)
     assert not (tmp_path / ckpt.SAFE_WEIGHTS).exists() and (tmp_path / ckpt.SAFE_INDEX).exists()
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
+    assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
 
 
 def test_config_keeps_every_field_it_read(tmp_path):
@@ -195,11 +177,13 @@ def test_tokenizer_files_copied_when_loaded_with_them(minilm_path, tmp_path):
         assert (tmp_path / "out" / name).read_bytes() == (minilm_path / name).read_bytes(), name
     ids = encode(load_tokenizer(tmp_path / "out"), REAL_SENTENCES[:3])
     assert torch.equal(ids["input_ids"], encode(load_tokenizer(minilm_path), REAL_SENTENCES[:3])["input_ids"])
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path / "out"), ids), _run(ours, ids))
+    assert_bitwise(
+        outputs_on_real_tokens(BertModel.from_pretrained(tmp_path / "out"), ids), outputs_on_real_tokens(ours, ids)
+    )
 
     # A model loaded from a directory without tokenizer files saves none.
     hf = hf_model(TINY)
-    _port_from_hf(hf, TINY).save_pretrained(tmp_path / "bare")
+    port_from_hf(hf, TINY, **EXACT).save_pretrained(tmp_path / "bare")
     BertModel.from_pretrained(tmp_path / "bare").save_pretrained(tmp_path / "bare2")
     assert sorted(p.name for p in (tmp_path / "bare2").iterdir()) == ["config.json", "model.safetensors"]
 
@@ -209,11 +193,11 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch, shar
     import safetensors.torch
 
     hf = hf_model(TINY)
-    ours = _port_from_hf(hf, TINY)
+    ours = port_from_hf(hf, TINY, **EXACT)
     ours.save_pretrained(tmp_path, max_shard_size=shard_size)
     before = _listing(tmp_path)
     batch = random_batch(TINY["vocab_size"])
-    expected = _run(ours, batch)
+    expected = outputs_on_real_tokens(ours, batch)
 
     with torch.no_grad():  # a different model, same names and shapes: shards would mix silently
         for p in ours.parameters():
@@ -235,8 +219,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch, shar
 
     assert _listing(tmp_path) == before  # same names, same bytes, no temporaries left
     assert all(not Path(c).exists() for c in calls)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
-    _assert_bitwise(_run(_hf_load(tmp_path), batch), expected)
+    assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path, **EXACT), batch), expected)
+    assert_bitwise(outputs_on_real_tokens(_hf_load(tmp_path), batch), expected)
 
 
 # -- bert-port-convert ------------------------------------------------------------------
@@ -271,9 +255,9 @@ def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
     keys = set(ckpt.read_weights(tmp_path / "dst" / "model.safetensors"))
     assert keys == {k for k in reference.state_dict() if not k.endswith(("position_ids", "token_type_ids"))}
     batch = random_batch(TINY["vocab_size"])
-    expected = _run(reference, batch)
-    _assert_bitwise(_run(_hf_load(tmp_path / "dst"), batch), expected)
-    _assert_bitwise(_run(BertModel.from_pretrained(tmp_path / "dst", **EXACT), batch), expected)
+    expected = outputs_on_real_tokens(reference, batch)
+    assert_bitwise(outputs_on_real_tokens(_hf_load(tmp_path / "dst"), batch), expected)
+    assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path / "dst", **EXACT), batch), expected)
 
 
 def test_convert_sharded_dtype_and_overwrite(tmp_path, capsys):
@@ -336,163 +320,21 @@ def test_convert_script_shim_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "dst" / "model.safetensors").is_file()
 
 
-# -- model ids from the local HF cache --------------------------------------------------
+# -- the NaN/Inf check of mapped weights -------------------------------------------------
 
 
-def _add_to_cache(cache: Path, repo_id: str, files: dict[str, Path], commit: str, ref: str | None = "main") -> Path:
-    """Lay files out as huggingface_hub does: blobs named by content hash, snapshot entries
-    as relative symlinks to them, refs/<ref> holding the commit."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for name, src in files.items():
-        data = src.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
-    if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)  # no trailing newline, as the hub writes it
-    return snapshot
+def test_finite_check_of_mapped_weights_sees_in_place_changes_and_replaced_files(tmp_path):
+    """The check reads a memory-mapped tensor from its file only while the file still holds
+    its values: a NaN written into the tensor in place, or a file replaced after the load,
+    is checked in the tensor itself."""
+    state = {"a": torch.randn(1000, 50), "b": torch.randn(7)}
+    ckpt.write_weights(state, tmp_path)
+    loaded = ckpt.read_weights(tmp_path / "model.safetensors")
+    assert ckpt.non_finite(loaded) == []
+    loaded["a"][3, 4] = float("nan")  # a private mapping: the file keeps its finite value
+    assert ckpt.non_finite(loaded) == ["a (1 of 50000 values NaN/Inf)"]
 
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the network was touched")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-
-
-def _clear_hf_env(monkeypatch, home: Path):
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(home))
-
-
-@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME", "HOME"])
-def test_model_id_found_in_hf_cache(tmp_path, monkeypatch, no_network, variable):
-    _clear_hf_env(monkeypatch, tmp_path / "home")
-    cache = {
-        "HF_HUB_CACHE": tmp_path / "hub",
-        "HUGGINGFACE_HUB_CACHE": tmp_path / "hub",
-        "HF_HOME": tmp_path / "hf" / "hub",
-        "XDG_CACHE_HOME": tmp_path / "xdg" / "huggingface" / "hub",
-        "HOME": tmp_path / "home" / ".cache" / "huggingface" / "hub",
-    }[variable]
-    if variable != "HOME":
-        monkeypatch.setenv(
-            variable,
-            str(
-                cache.parent.parent
-                if variable == "XDG_CACHE_HOME"
-                else cache.parent
-                if variable == "HF_HOME"
-                else cache
-            ),
-        )
-    monkeypatch.chdir(tmp_path)  # "bert-base-uncased" is no local path here
-
-    old, new = hf_model(TINY), hf_model({**TINY, "initializer_range": 0.5})
-    for name, model in (("old", old), ("new", new)):
-        _port_from_hf(model, TINY).save_pretrained(tmp_path / name)
-    files = lambda d: {n: tmp_path / d / n for n in ("config.json", "model.safetensors")}
-    _add_to_cache(cache, "bert-base-uncased", files("old"), "a" * 40, ref=None)  # an older snapshot
-    snapshot = _add_to_cache(cache, "bert-base-uncased", files("new"), "b" * 40)
-
-    ours = BertModel.from_pretrained("bert-base-uncased", **EXACT)
-    assert ours.source_dir == snapshot
-    batch = random_batch(TINY["vocab_size"])
-    _assert_bitwise(_run(ours, batch), _run(new, batch))
-    assert BertModel.from_pretrained("bert-base-uncased", revision="a" * 40).source_dir.name == "a" * 40
-
-
-def test_org_name_id_and_transformers_agree_on_the_layout(tmp_path, monkeypatch, no_network, minilm_path):
-    """The real all-MiniLM-L6-v2 files, cached under their hub id: the port finds them by id,
-    and transformers, pointed at the same cache offline, finds the same snapshot."""
-    import transformers
-
-    _clear_hf_env(monkeypatch, tmp_path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    files = {p.name: p for p in minilm_path.iterdir() if p.is_file()}
-    snapshot = _add_to_cache(tmp_path / "hub", "sentence-transformers/all-MiniLM-L6-v2", files, "c" * 40)
-    ours = BertModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")
-    assert ours.source_dir == snapshot
-    ref = transformers.BertModel.from_pretrained(
-        "sentence-transformers/all-MiniLM-L6-v2", cache_dir=str(tmp_path / "hub"), local_files_only=True
-    ).eval()
-    batch = encode(load_tokenizer(ours.source_dir), REAL_SENTENCES)
-    actual, expected = _run(ours, batch), _run(ref, batch)
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(actual[0][real], expected[0][real], **TOL[torch.float32])
-
-
-def test_model_id_absent_names_the_directories_searched(tmp_path, monkeypatch, no_network):
-    _clear_hf_env(monkeypatch, tmp_path)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError) as err:
-        BertModel.from_pretrained("bert-base-uncased")
-    msg = str(err.value)
-    assert str(tmp_path / "hf" / "hub" / "models--bert-base-uncased") in msg and "HF_HOME" in msg
-    assert str(tmp_path / "bert-base-uncased") in msg and "HF_HUB_CACHE" in msg  # the local path, and the fix
-
-    # A ref pointing at a snapshot that is not there (an interrupted download).
-    repo = tmp_path / "hf" / "hub" / "models--org--name"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("d" * 40)
-    with pytest.raises(CheckpointError, match="interrupted download") as err:
-        BertModel.from_pretrained("org/name")
-    assert str(repo / "snapshots" / ("d" * 40)) in str(err.value)
-
-
-def test_cache_dir_rules_match_huggingface_hub(tmp_path, monkeypatch):
-    """hf_cache_dir() against huggingface_hub.constants.HF_HUB_CACHE itself, for each way of
-    setting the environment (constants are computed at import, so a fresh process reloads them)."""
-    cases = [
-        {},
-        {"XDG_CACHE_HOME": "/x/cache"},
-        {"HF_HOME": "/h/home", "XDG_CACHE_HOME": "/x/cache"},
-        {"HF_HOME": "~/hf", "HUGGINGFACE_HUB_CACHE": "$HOME/legacy"},
-        {"HF_HUB_CACHE": "$HOME/new", "HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"},
-        {"HF_HUB_CACHE": "~/hub"},
-    ]
-    code = """
-import importlib, json, os, sys
-import huggingface_hub.constants as constants
-out = []
-for case in json.loads(sys.argv[1]):
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        os.environ.pop(var, None)
-    os.environ.update(case)
-    importlib.reload(constants)
-    out.append(constants.HF_HUB_CACHE)
-print(json.dumps(out))
-"""
-    env = {**os.environ, "HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    theirs = json.loads(result.stdout)
-    assert len(theirs) == len(cases)
-    for case, expected in zip(cases, theirs):
-        _clear_hf_env(monkeypatch, tmp_path)
-        for var, value in case.items():
-            monkeypatch.setenv(var, value)
-        assert str(ckpt.hf_cache_dir()[0]) == os.path.normpath(expected), case
-
-
-def test_snapshot_files_copied_not_linked(tmp_path, monkeypatch, no_network, minilm_path):
-    """Saving a model loaded from the cache writes real files, not symlinks into the cache."""
-    _clear_hf_env(monkeypatch, tmp_path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    files = {n: minilm_path / n for n in ("config.json", "model.safetensors", "vocab.txt", "tokenizer.json")}
-    _add_to_cache(tmp_path / "hub", "org/mini", files, "e" * 40)
-    BertModel.from_pretrained("org/mini").save_pretrained(tmp_path / "out")
-    for name in ("vocab.txt", "tokenizer.json"):
-        assert not (tmp_path / "out" / name).is_symlink()
-        assert (tmp_path / "out" / name).read_bytes() == (minilm_path / name).read_bytes()
-    shutil.rmtree(tmp_path / "hub")  # the saved checkpoint does not depend on the cache
-    assert BertModel.from_pretrained(tmp_path / "out").config.hidden_size == 384
+    loaded = ckpt.read_weights(tmp_path / "model.safetensors")
+    ckpt.write_weights({**state, "b": torch.full((7,), float("inf"))}, tmp_path)  # renamed over it
+    assert ckpt.non_finite(loaded) == []  # the mapped (old) values are finite
+    assert ckpt.non_finite(ckpt.read_weights(tmp_path / "model.safetensors")) == ["b (7 of 7 values NaN/Inf)"]

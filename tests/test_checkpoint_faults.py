@@ -199,7 +199,7 @@ def test_recovery_needs_write_access_and_says_so(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(ckpt, "_apply_journal", refuse)
+    monkeypatch.setattr(ckpt.files, "_apply_journal", refuse)
     with pytest.raises(CheckpointError, match="interrupted after it committed.*write access"):
         BertModel.from_pretrained(directory)
 

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -358,3 +359,19 @@ def test_gpu_cli_matrix_and_broken_port(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(parity_cli, "load_port", broken)
     assert parity_cli.main(["--device", "cuda", "--dtype", "float32", "--no-progress"]) == 1
     assert "first failing site: layer 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "missing, extra, args",
+    [("transformers", "parity", []), ("matplotlib", "plot", ["--plot", "r.png"])],
+    ids=["transformers", "matplotlib-for-plot"],
+)
+def test_a_missing_extra_names_its_pip_install_and_exits_2(monkeypatch, capsys, tmp_path, missing, extra, args):
+    """Installed without the `parity` extra (or `plot` for --plot), the command says which
+    `pip install` brings it and exits 2, before any work and without a traceback."""
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    monkeypatch.chdir(tmp_path)
+    assert parity_cli.main(FAST + ["--dtype", "float32", *args]) == 2
+    captured = capsys.readouterr()
+    assert f"pip install 'bert-port[{extra}]'" in captured.err and "Traceback" not in captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []

@@ -1,0 +1,294 @@
+"""The HF <-> port key table, key normalisation, and the plan of a load.
+
+Pure functions of names (and state dicts passed through untouched): no file I/O here. The
+plan (`plan_load`) says, from a file's key names alone, what a load keeps under which port
+name, what it renames, drops and skips, and, given the model's keys, what it would find
+missing and initialise afresh; `LoadPlan.describe` puts that in words.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from .errors import CheckpointError, short_list
+
+log = logging.getLogger(__name__)
+
+# -----------------------------------------------------------------------------------------
+# The key table: Hugging Face BertModel name -> port name, "{}" standing for the layer index.
+# This is the only place names are spelled out; the inverse is derived from it.
+
+HF_TO_PORT: dict[str, str] = {
+    "embeddings.word_embeddings.weight": "word_embedding.weight",
+    "embeddings.position_embeddings.weight": "pos_embedding.weight",
+    "embeddings.token_type_embeddings.weight": "tk_type_embedding.weight",
+    "embeddings.LayerNorm.weight": "embed_layer_norm.weight",
+    "embeddings.LayerNorm.bias": "embed_layer_norm.bias",
+    "encoder.layer.{}.attention.self.query.weight": "bert_layers.{}.self_attention.query.weight",
+    "encoder.layer.{}.attention.self.query.bias": "bert_layers.{}.self_attention.query.bias",
+    "encoder.layer.{}.attention.self.key.weight": "bert_layers.{}.self_attention.key.weight",
+    "encoder.layer.{}.attention.self.key.bias": "bert_layers.{}.self_attention.key.bias",
+    "encoder.layer.{}.attention.self.value.weight": "bert_layers.{}.self_attention.value.weight",
+    "encoder.layer.{}.attention.self.value.bias": "bert_layers.{}.self_attention.value.bias",
+    "encoder.layer.{}.attention.output.dense.weight": "bert_layers.{}.attention_dense.weight",
+    "encoder.layer.{}.attention.output.dense.bias": "bert_layers.{}.attention_dense.bias",
+    "encoder.layer.{}.attention.output.LayerNorm.weight": "bert_layers.{}.attention_layer_norm.weight",
+    "encoder.layer.{}.attention.output.LayerNorm.bias": "bert_layers.{}.attention_layer_norm.bias",
+    "encoder.layer.{}.intermediate.dense.weight": "bert_layers.{}.interm_dense.weight",
+    "encoder.layer.{}.intermediate.dense.bias": "bert_layers.{}.interm_dense.bias",
+    "encoder.layer.{}.output.dense.weight": "bert_layers.{}.out_dense.weight",
+    "encoder.layer.{}.output.dense.bias": "bert_layers.{}.out_dense.bias",
+    "encoder.layer.{}.output.LayerNorm.weight": "bert_layers.{}.out_layer_norm.weight",
+    "encoder.layer.{}.output.LayerNorm.bias": "bert_layers.{}.out_layer_norm.bias",
+    "pooler.dense.weight": "pooler_dense.weight",
+    "pooler.dense.bias": "pooler_dense.bias",
+}
+PORT_TO_HF: dict[str, str] = {v: k for k, v in HF_TO_PORT.items()}
+if len(PORT_TO_HF) != len(HF_TO_PORT):
+    raise ImportError("checkpoint.HF_TO_PORT must be one-to-one: two HF names map to the same port name")
+
+# Keys that real checkpoints carry and the encoder does not need. Buffers are accepted
+# silently; pretraining heads are dropped and reported.
+BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
+DROPPED_PREFIXES = ("cls.predictions.", "cls.seq_relationship.")
+# Wrappers that training code puts around a model: DDP, torch.compile, HF task models.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "bert.")
+# Keys of task heads that sit beside the encoder and keep their names in both layouts.
+# Which model owns which head is said by the model classes (heads.py, classifier.py).
+HEAD_PREFIXES = ("classifier.", "qa_outputs.", "cls.")
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _map_key(key: str, table: Mapping[str, str]) -> str | None:
+    """Look `key` up in a `{}`-templated table; None when it has no entry."""
+    match = _LAYER_INDEX.search(key)
+    if match is None:
+        return table.get(key)
+    template = table.get(key[: match.start()] + ".{}." + key[match.end() :])
+    return None if template is None else template.format(match.group(1))
+
+
+# -----------------------------------------------------------------------------------------
+# Normalisation
+
+
+def _split_prefix(key: str) -> tuple[str, str]:
+    """(wrapper prefixes, the rest): `module.bert.encoder...` -> (`module.bert.`, `encoder...`)."""
+    prefix, stripped = "", True
+    while stripped:
+        stripped = False
+        for wrapper in WRAPPER_PREFIXES:
+            if key.startswith(wrapper):
+                prefix, key, stripped = prefix + wrapper, key[len(wrapper) :], True
+    return prefix, key
+
+
+def normalize_hf_key(key: str) -> str:
+    """Bring one incoming key to the bare HF BertModel name (`embeddings...`,
+    `encoder.layer.N...`, `pooler...`): strip wrapper prefixes, rename the legacy
+    TF-era `LayerNorm.gamma/beta` to `weight/bias`."""
+    key = _split_prefix(key)[1]
+    if key.endswith("LayerNorm.gamma"):
+        key = key[: -len("gamma")] + "weight"
+    elif key.endswith("LayerNorm.beta"):
+        key = key[: -len("beta")] + "bias"
+    return key
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint file spells HF names: the wrapper prefix before the encoder's keys
+    (`bert.` in bert-base-uncased, `module.` from DDP, ...) and whether its LayerNorms use
+    the TF-era `gamma`/`beta`. Sniffed from the file's keys, to name in an error a tensor
+    the file lacks as the file would have named it."""
+
+    prefix: str = ""
+    legacy_layer_norm: bool = False
+
+    def spell(self, port_key: str) -> str:
+        """The name a port key (without a task model's `bert.`) has in a file of this layout."""
+        if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
+            return self.prefix.removesuffix("bert.") + port_key
+        hf_key = _map_key(port_key, PORT_TO_HF) or port_key
+        if self.legacy_layer_norm and hf_key.endswith(("LayerNorm.weight", "LayerNorm.bias")):
+            hf_key = hf_key.rsplit(".", 1)[0] + (".gamma" if hf_key.endswith("weight") else ".beta")
+        return self.prefix + hf_key
+
+
+def detect_layout(keys: Iterable[str]) -> Layout:
+    """The layout of a file from its keys: the wrapper prefix most of its encoder keys carry,
+    and gamma/beta when most of its LayerNorm keys use them."""
+    prefixes: Counter[str] = Counter()
+    legacy = modern = 0
+    for raw in keys:
+        prefix, rest = _split_prefix(raw)
+        if _map_key(normalize_hf_key(rest), HF_TO_PORT) is not None:
+            prefixes[prefix] += 1
+        if rest.endswith(("LayerNorm.gamma", "LayerNorm.beta")):
+            legacy += 1
+        elif rest.endswith(("LayerNorm.weight", "LayerNorm.bias")):
+            modern += 1
+    return Layout(prefix=prefixes.most_common(1)[0][0] if prefixes else "", legacy_layer_norm=legacy > modern)
+
+
+# -----------------------------------------------------------------------------------------
+# The plan of a load
+
+
+@dataclass
+class LoadPlan:
+    """What loading a file does with each of its keys, decided from the names alone.
+
+    `sources` maps each key the load places (port name) to the key in the file; a key with
+    no entry in the table is placed under its own name and listed in `unmapped`, so that the
+    load's error can name it."""
+
+    sources: dict[str, str] = field(default_factory=dict)  # port key -> the key in the file
+    renamed: dict[str, str] = field(default_factory=dict)  # raw key -> HF name, where they differ
+    dropped: list[str] = field(default_factory=list)  # pretraining heads, reported at INFO
+    buffers: list[str] = field(default_factory=list)  # position_ids / token_type_ids buffers, skipped
+    unmapped: list[str] = field(default_factory=list)  # keys with no entry in the table
+    layout: Layout = field(default_factory=Layout)  # how the file spells names, for messages
+
+    def missing(self, expected: Iterable[str]) -> list[str]:
+        """The model keys (`expected`) this file has no tensor for."""
+        return [k for k in expected if k not in self.sources]
+
+    def describe(self, expected: Collection[str] | None = None, init_if_missing: tuple[str, ...] = ()) -> str:
+        """The plan in words, one line per kind of key. Given the model's keys (`expected`)
+        and the prefixes it initialises afresh when absent, also what is missing, what is
+        initialised and what the model does not take."""
+        kept = [k for k in self.sources if k not in self.unmapped]
+        lines = [
+            f"kept:        {len(kept)} tensors under port names"
+            + (f" (file layout: prefix {self.layout.prefix!r})" if self.layout.prefix else ""),
+            f"renamed:     {len(self.renamed)} keys"
+            + (f": {short_list([f'{a} -> {b}' for a, b in self.renamed.items()], 3)}" if self.renamed else ""),
+            f"dropped:     {len(self.dropped)} pretraining-head tensors"
+            + (f": {short_list(self.dropped, 5)}" if self.dropped else ""),
+            f"skipped:     {len(self.buffers)} buffers" + (f": {short_list(self.buffers)}" if self.buffers else ""),
+        ]
+        if self.unmapped:
+            lines.append(
+                f"unmapped:    {len(self.unmapped)} keys with no entry in the table: {short_list(self.unmapped)}"
+            )
+        if expected is not None:
+            missing = self.missing(expected)
+            initialised = [k for k in missing if k.startswith(init_if_missing)] if init_if_missing else []
+            absent = [k for k in missing if k not in initialised]
+            unexpected = [k for k in self.sources if k not in set(expected)]
+            lines.append(f"initialised: {len(initialised)}" + (f": {short_list(initialised)}" if initialised else ""))
+            lines.append(f"missing:     {len(absent)}" + (f": {short_list(absent)}" if absent else ""))
+            lines.append(f"unexpected:  {len(unexpected)}" + (f": {short_list(unexpected)}" if unexpected else ""))
+        return "\n".join(lines)
+
+
+def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = ()) -> LoadPlan:
+    """The plan of loading a file with these keys (any HF layout: BertModel, BertFor*,
+    bare sentence-transformers, legacy gamma/beta, wrapper prefixes). Task-head keys such
+    as `classifier.*` keep their names. Pretraining-head keys (`cls.*`) are dropped unless
+    they start with one of `keep_heads`, the heads of the model being loaded."""
+    keys = list(keys)
+    plan = LoadPlan(layout=detect_layout(keys))
+    for raw_key in keys:
+        key = normalize_hf_key(raw_key)
+        if key != raw_key:
+            plan.renamed[raw_key] = key
+        if key in BUFFER_KEYS:
+            plan.buffers.append(raw_key)
+            continue
+        if key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
+            plan.dropped.append(raw_key)
+            continue
+        new_key = key if key.startswith(HEAD_PREFIXES) else _map_key(key, HF_TO_PORT)
+        if new_key is None:
+            plan.unmapped.append(raw_key)
+            new_key = raw_key  # kept under its own name so the load error can list it
+        if new_key in plan.sources:
+            raise CheckpointError(
+                f"checkpoint has two tensors for {new_key!r} (one of them {raw_key!r}); "
+                "it mixes layouts, so re-export it from its source"
+            )
+        plan.sources[new_key] = raw_key
+    return plan
+
+
+@dataclass
+class Conversion(LoadPlan):
+    """A plan carried out on a state dict: its tensors under port names (the same tensor
+    objects, nothing copied)."""
+
+    state_dict: dict[str, Tensor] = field(default_factory=dict)
+
+
+def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = ()) -> Conversion:
+    """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
+    sentence-transformers, legacy gamma/beta) to port names, following `plan_load`."""
+    plan = plan_load(state_dict, keep_heads)
+    out = Conversion(**vars(plan))
+    out.state_dict = {port: state_dict[raw] for port, raw in plan.sources.items()}
+    if out.dropped:
+        log.info(
+            "dropped %d pretraining-head tensors not used by the encoder: %s",
+            len(out.dropped),
+            ", ".join(sorted(out.dropped)),
+        )
+    return out
+
+
+def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "") -> dict[str, Tensor]:
+    """Inverse of `hf_to_port` for a port state dict. Encoder keys get HF names with
+    `encoder_prefix` (``""`` for BertModel, ``"bert."`` for task models); head keys keep
+    their names."""
+    out = {}
+    for key, tensor in state_dict.items():
+        if key.startswith(HEAD_PREFIXES):
+            out[key] = tensor
+            continue
+        hf_key = _map_key(key, PORT_TO_HF)
+        if hf_key is None:
+            raise KeyError(f"port key {key!r} has no entry in the key table (checkpoint.HF_TO_PORT)")
+        out[encoder_prefix + hf_key] = tensor
+    return out
+
+
+# -----------------------------------------------------------------------------------------
+# Layers
+
+
+def layer_indices(state_dict: Iterable[str]) -> set[int]:
+    """The encoder layer indices a state dict (any layout) has tensors for."""
+    out = set()
+    for raw in state_dict:
+        match = re.match(r"encoder\.layer\.(\d+)\.", normalize_hf_key(raw))
+        if match:
+            out.add(int(match.group(1)))
+    return out
+
+
+def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
+    """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
+    module is built: a config claiming 100000 layers would otherwise build them all
+    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
+    config's cost nothing to build against and are listed by the load's usual error."""
+    have = layer_indices(state_dict)
+    if set(range(num_hidden_layers)) <= have:
+        return
+    found = sorted(have)
+    shown = (
+        f"layers {short_list([str(i) for i in found], 10)}"
+        if found
+        else "no encoder layers (no key like encoder.layer.0.*)"
+    )
+    raise CheckpointError(
+        f"cannot load {source}: config.json gives num_hidden_layers={num_hidden_layers}, but the checkpoint has "
+        f"tensors for {shown} ({len(found)} in all). Check that the config belongs to these weights. "
+        "Nothing was loaded"
+    )
