@@ -230,9 +230,9 @@ def load_texts(
         values, bad = [], []
         for record, line in zip(records, lines):
             value = record.get(name)
-            if what == "label" and label_kind == "multi" and value is not None:
-                pass  # an empty set of labels is a valid multi-label example
-            elif value is None or (isinstance(value, str) and not value.strip()):
+            empty = value is None or (isinstance(value, str) and not value.strip())
+            # An empty set of labels is a valid multi-label example; a missing column is not.
+            if empty and not (what == "label" and label_kind == "multi" and value is not None):
                 bad.append(line)
             elif not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, allowed)):
                 # JSONL: 1.0 would become a label "1.0" distinct from "1", a list its repr.
