@@ -47,7 +47,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check bert_port tests scripts
 
 finetune: setup
-	$(VENV)/bin/bert-port-finetune --config bert_port/configs/finetune_mr_minilm.json
+	$(VENV)/bin/bert-port-finetune --config finetune_mr_minilm
 
 bench: setup
 	$(PY) scripts/benchmark.py

@@ -48,6 +48,13 @@ DETAIL_MAX_CLASSES = 50
 WORST_CLASSES = 10  # listed in the summary of a many-class evaluation
 
 
+def _f1(tp: Tensor, predicted: Tensor, actual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
+    return precision, recall, f1
+
+
 def metrics_from_counts(
     tp: Tensor, predicted: Tensor, actual: Tensor, loss_sum: float, names: list[str], confusion: Tensor | None = None
 ) -> dict[str, Any]:
@@ -58,9 +65,7 @@ def metrics_from_counts(
     (rows: true label, columns: prediction) if given; above it `per_class_summary`."""
     tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
     total = float(actual.sum())
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
+    precision, recall, f1 = _f1(tp, predicted, actual)
     present = (predicted + actual) > 0
     result: dict[str, Any] = {
         "loss": loss_sum / total,
@@ -95,13 +100,6 @@ def metrics_from_counts(
             "worst_f1": [{"label": names[i], "f1": float(f1[i]), "support": int(actual[i])} for i in worst],
         }
     return result
-
-
-def _f1(tp: Tensor, predicted: Tensor, actual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
-    return precision, recall, f1
 
 
 def multi_label_metrics(
