@@ -351,15 +351,7 @@ class FinetuneRecipe:
         the output directory, the data, the model, optimiser, schedule, and the resumed state."""
         cfg, d = self.cfg, self.d
         self._check_output_dir()
-        if cfg.report_to == "tensorboard":
-            from ..extras import require
-
-            require("tensorboard")  # before any work: a clear error naming the package
-        if cfg.fp16 and d.device.type != "cuda":
-            raise FinetuneError(
-                f"--fp16 needs a CUDA device (its gradient scaler is for GPUs), and this run is on {d.device}; "
-                "on the CPU use --bf16, or drop --fp16"
-            )
+        self._check_extras_and_device()
         model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
         check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
         self.splits = load_splits(cfg)
@@ -370,14 +362,42 @@ class FinetuneRecipe:
                 f"batch_size {cfg.batch_size} must be a multiple of grad_accum_steps x processes = "
                 f"{cfg.grad_accum_steps} x {d.world_size}"
             )
-        self.model, self.source_dir = build_model(cfg, self.splits.names, self.hf_module)
+        self._build_model_and_data()
+        self._build_optimisation()
+        if cfg.resume:
+            self.resume()
+        if d.is_main:
+            self._write_run_files()
+            if cfg.report_to == "tensorboard":
+                # A resumed run drops what the interrupted one logged after its checkpoint.
+                purge = self.global_step + 1 if cfg.resume else None
+                self.tensorboard = TensorBoardLog(self.out / TENSORBOARD_DIR, purge_step=purge)
+
+    def _check_extras_and_device(self) -> None:
+        if self.cfg.report_to == "tensorboard":
+            from ..extras import require
+
+            require("tensorboard")  # before any work: a clear error naming the package
+        if self.cfg.fp16 and self.d.device.type != "cuda":
+            raise FinetuneError(
+                f"--fp16 needs a CUDA device (its gradient scaler is for GPUs), and this run is on {self.d.device}; "
+                "on the CPU use --bf16, or drop --fp16"
+            )
+
+    def _build_model_and_data(self) -> None:
+        cfg, d, splits = self.cfg, self.d, self.splits
+        self.model, self.source_dir = build_model(cfg, splits.names, self.hf_module)
         self.model.to(d.device)
         tokenizer = load_tokenizer(self.source_dir)
-        self.train_collate = self._collator(tokenizer, self.splits.train)
-        self.val_collate = self._collator(tokenizer, self.splits.validation)
-        self.test_collate = self._collator(tokenizer, self.splits.test) if self.splits.test is not None else None
-        self.n_train = len(self.splits.train)
-        self.sampler = _Sampler(self.splits.train, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed)
+        self.train_collate = self._collator(tokenizer, splits.train)
+        self.val_collate = self._collator(tokenizer, splits.validation)
+        self.test_collate = self._collator(tokenizer, splits.test) if splits.test is not None else None
+        self.n_train = len(splits.train)
+        self.sampler = _Sampler(splits.train, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed)
+
+    def _build_optimisation(self) -> None:
+        """Steps, AdamW, the schedule, the fp16 scaler, and the DDP wrapper."""
+        cfg, d = self.cfg, self.d
         self.steps_per_epoch = math.ceil(self.n_train / cfg.batch_size)  # = ceil(ceil(n / W) / (micro * accum))
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * self.steps_per_epoch
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(cfg.warmup_ratio * self.total_steps)
@@ -389,14 +409,6 @@ class FinetuneRecipe:
         if d.enabled:
             device_ids = [d.device.index] if d.device.type == "cuda" else None
             self.ddp_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
-        if cfg.resume:
-            self.resume()
-        if d.is_main:
-            self._write_run_files()
-            if cfg.report_to == "tensorboard":
-                # A resumed run drops what the interrupted one logged after its checkpoint.
-                purge = self.global_step + 1 if cfg.resume else None
-                self.tensorboard = TensorBoardLog(self.out / TENSORBOARD_DIR, purge_step=purge)
 
     def _collator(self, tokenizer, dataset: TextDataset) -> Collator:
         return Collator(tokenizer, dataset, self.cfg.max_length, self.splits.names, self.cfg.problem_type)

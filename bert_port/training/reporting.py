@@ -157,13 +157,12 @@ def compare_runs(metrics: dict[str, Any], other: dict[str, Any]) -> dict[str, An
     b = {s["step"]: s["loss"] for s in other["steps"]}
     common = sorted(set(a) & set(b))
     diffs = [abs(a[s] - b[s]) for s in common]
-    first = lambda d: min((s for s, x in zip(common, d) if x > 1e-4), default=None)
     return {
         "other": other.get("output_dir"),
         "steps_compared": len(common),
         "max_abs_loss_diff": max(diffs, default=float("nan")),
         "mean_abs_loss_diff": sum(diffs) / len(diffs) if diffs else float("nan"),
         "max_abs_loss_diff_first_20": max(diffs[:20], default=float("nan")),
-        "first_step_above_1e-4": first(diffs),
+        "first_step_above_1e-4": min((s for s, x in zip(common, diffs) if x > 1e-4), default=None),
         "test": {"this": metrics.get("test"), "other": other.get("test")},
     }
