@@ -202,6 +202,7 @@ def test_saved_checkpoint_predicts_the_same_in_transformers(sms_run):
 
     ref = transformers.BertForSequenceClassification.from_pretrained(sms_run).eval()
     assert ref.config.id2label == {0: "ham", 1: "spam"} and ref.config.label2id == {"ham": 0, "spam": 1}
+    assert ref.config.num_labels == 2 and ref.config.problem_type == "single_label_classification"
     tokenizer = transformers.AutoTokenizer.from_pretrained(sms_run)  # the tokenizer files beside the weights
     texts = builtin_splits("sms")["test"].texts[:48]
     batch = tokenizer(texts, padding=True, truncation=True, max_length=24, return_tensors="pt")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, TOL
 
 from bert_port import BertConfig, BertModel
 from bert_port.classifier import BertForSequenceClassification
@@ -221,8 +221,8 @@ def test_checkpoint_loads_in_transformers_with_its_problem_type(runs, kind, prob
     labels = torch.rand(8, num_labels).round() if num_labels > 1 else torch.randn(8)
     with torch.no_grad():
         expected, actual = ref(**batch, labels=labels), ours(**batch, labels=labels)
-    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=1.3e-6)
-    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1.3e-6)
+    torch.testing.assert_close(actual.logits, expected.logits, **TOL[torch.float32])
+    torch.testing.assert_close(actual.loss, expected.loss, **TOL[torch.float32])
 
 
 def test_predict_writes_values_for_regression(runs, tmp_path):
@@ -257,7 +257,7 @@ def test_predict_writes_sigmoid_probabilities_and_thresholded_labels(runs, tmp_p
         logits = model(**encode(load_tokenizer(runs["multi"]), texts, max_length=24)).logits
     expected = logits.sigmoid()
     for row, p in zip(rows, expected):
-        torch.testing.assert_close(torch.tensor([row["probabilities"][t] for t in TAGS]), p, atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor([row["probabilities"][t] for t in TAGS]), p, **TOL[torch.float32])
         assert row["predicted_labels"] == [t for t, x in zip(TAGS, p.tolist()) if x >= float(threshold)]
     flat = list(csv.DictReader((tmp_path / "p.csv").open(encoding="utf-8")))
     assert list(flat[0]) == ["text", "predicted_labels"] + [f"prob_{t}" for t in TAGS]

@@ -150,6 +150,8 @@ def test_resume_with_eval_steps_and_early_stopping_ends_bit_identical(tmp_path, 
     assert metrics_of(split)["status"] == "stopped"
     assert run_cli(*_early_args(data, ckpt, split, *extra), "--resume") == 0
     a, b = metrics_of(split), metrics_of(full)
+    assert b["early_stopping"]["stopped_early"] and b["global_step"] < 15  # the case under test
+    assert stop_after < b["global_step"]
     for key in ("status", "global_step", "steps", "evaluations", "best", "early_stopping"):
         assert a[key] == b[key], key
     wa, wb = load_last(split)["model"], load_last(full)["model"]
