@@ -396,11 +396,13 @@ def test_export_dataset_writes_the_split(tmp_path, capsys):
 
 
 def test_shipped_configs_are_valid():
-    for name in ("finetune_mr_minilm.json", "finetune_sms_minilm.json"):
-        settings = load_config_file(CONFIGS / name)
+    shipped = sorted(CONFIGS.glob("finetune_*.json"))
+    assert len(shipped) >= 3
+    for path in shipped:
+        settings = load_config_file(path)
         cfg = FinetuneConfig(**settings)
         cfg.validate()
-        assert cfg.dataset in ("mr", "sms") and cfg.output_dir.startswith("runs/")
+        assert cfg.dataset in ("mr", "mr_scores", "sms") and cfg.output_dir.startswith("runs/")
 
 
 def test_flags_override_the_config_file(tmp_path):
