@@ -141,14 +141,22 @@ def test_early_stopping_stops_after_k_evaluations_without_improvement(tmp_path, 
     assert "early stopping: 2 evaluation(s) without improvement, stopped at step" in capsys.readouterr().out
 
 
+RESUME_OPTIONS = ("--eval-steps", "2", "--early-stopping-patience", "2", "--lr-scheduler-type", "cosine")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data, ckpt) -> Path:
+    full = tmp_path_factory.mktemp("full") / "run"
+    assert run_cli(*_early_args(data, ckpt, full, *RESUME_OPTIONS)) == 0
+    return full
+
+
 @pytest.mark.parametrize("stop_after", [2, 3, 4])  # between evaluations of every 2 steps, at one, past it
-def test_resume_with_eval_steps_and_early_stopping_ends_bit_identical(tmp_path, data, ckpt, stop_after):
-    extra = ("--eval-steps", "2", "--early-stopping-patience", "2", "--lr-scheduler-type", "cosine")
-    full, split = tmp_path / "full", tmp_path / "split"
-    assert run_cli(*_early_args(data, ckpt, full, *extra)) == 0
-    assert run_cli(*_early_args(data, ckpt, split, *extra), "--stop-after-steps", stop_after) == 0
+def test_resume_with_eval_steps_and_early_stopping_ends_bit_identical(tmp_path, data, ckpt, uninterrupted, stop_after):
+    full, split = uninterrupted, tmp_path / "split"
+    assert run_cli(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--stop-after-steps", stop_after) == 0
     assert metrics_of(split)["status"] == "stopped"
-    assert run_cli(*_early_args(data, ckpt, split, *extra), "--resume") == 0
+    assert run_cli(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--resume") == 0
     a, b = metrics_of(split), metrics_of(full)
     assert b["early_stopping"]["stopped_early"] and b["global_step"] < 15  # the case under test
     assert stop_after < b["global_step"]
@@ -254,19 +262,17 @@ def test_every_setting_has_a_flag_with_help():
         assert name in flags
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
+def test_resume_refuses_changed_new_settings(tmp_path, data, ckpt, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*args_for(data, ckpt, out, "--stop-after-steps", "1")) == 0
+    for extra, message in (
         (["--lr-scheduler-type", "cosine"], "lr_scheduler_type: checkpoint 'linear', now 'cosine'"),
         (["--eval-steps", "2"], "eval_steps: checkpoint None, now 2"),
         (["--early-stopping-patience", "3"], "early_stopping_patience: checkpoint None, now 3"),
-    ],
-)
-def test_resume_refuses_changed_new_settings(tmp_path, data, ckpt, capsys, extra, message):
-    out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--stop-after-steps", "1")) == 0
-    assert run_cli(*args_for(data, ckpt, out, "--resume", *extra)) == 2
-    assert message in capsys.readouterr().err
+        (["--problem-type", "multi_label_classification"], "problem_type: checkpoint 'single_label_classification'"),
+    ):
+        assert run_cli(*args_for(data, ckpt, out, "--resume", *extra)) == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
