@@ -251,18 +251,18 @@ def load_texts(
 
     def labels_of(name: str) -> list[str]:
         values = column(name, "label")
-        if label_kind == "float":
-            return [_number_label(value, path, line) for value, line in zip(values, lines)]
-        if label_kind == "multi":
-            return [_label_set(value, path, line) for value, line in zip(values, lines)]
         for value, line in zip(values, lines):
-            if "\n" in value or "\r" in value:
+            if isinstance(value, str) and ("\n" in value or "\r" in value):
                 # Almost always a quote left open in the file, not a real label.
                 shown = f"{value[:60]!r}{'...' if len(value) > 60 else ''}"
                 raise DataError(
                     f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
                     "each. Look for an unbalanced quote on or before that line"
                 )
+        if label_kind == "float":
+            return [_number_label(value, path, line) for value, line in zip(values, lines)]
+        if label_kind == "multi":
+            return [_label_set(value, path, line) for value, line in zip(values, lines)]
         return values
 
     return TextDataset(
