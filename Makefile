@@ -68,7 +68,7 @@ wheel-check: setup
 	echo "wheel-check: OK"
 
 finetune: setup
-	$(VENV)/bin/bert-port-finetune --config bert_port/configs/finetune_mr_minilm.json
+	$(VENV)/bin/bert-port-finetune --config finetune_mr_minilm
 
 bench: setup
 	$(PY) scripts/benchmark.py

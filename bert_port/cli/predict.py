@@ -1,10 +1,15 @@
-"""`bert-port-predict`: labels and class probabilities for a file of texts, from a
-fine-tuned output directory (or any HF BertForSequenceClassification checkpoint).
+"""`bert-port-predict`: predictions for a file of texts, from a fine-tuned output directory
+(or any HF BertForSequenceClassification checkpoint), by the model's `problem_type`.
 
     bert-port-predict --model runs/finetune_mr_minilm --input reviews.csv --output predictions.jsonl
 
-The output keeps every input column and adds `predicted_label` and the probability of
-each label: `prob_<label>` columns in CSV/TSV, a `probabilities` object in JSONL.
+The output keeps every input column and adds:
+  - single-label classification: `predicted_label` and the probability (softmax) of each
+    label: `prob_<label>` columns in CSV/TSV, a `probabilities` object in JSONL;
+  - multi-label classification: `predicted_labels`, the labels whose probability (sigmoid)
+    is at least `--threshold` (joined by "|" in CSV/TSV, a list in JSONL), and each label's
+    probability as above;
+  - regression: `predicted_value` (one output) or `predicted_<name>` per output.
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bert-port-predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    parser.add_argument(
+        "--threshold",
+        type=_probability,
+        default=0.5,
+        help="multi-label models: predict the labels whose probability is at least this (default 0.5)",
+    )
     return parser
 
 
@@ -58,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from bert_port.config import BertConfig, ConfigError
     from bert_port.data import DataError, file_format, load_texts
     from bert_port.tokenization import load_tokenizer
-    from bert_port.training import FinetuneError, check_max_length, predict
+    from bert_port.training import FinetuneError, check_max_length, predict, problem_type_of
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -87,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
                 "Pass the output directory of bert-port-finetune"
             )
-        added = ["predicted_label", "probabilities"] + [f"prob_{n}" for n in config.id2label.values()]
+        problem_type = problem_type_of(config)
+        names = [config.id2label[i] for i in range(config.num_labels)]
+        added = list(_added_columns(problem_type, names))
         clash = sorted({k for r in dataset.records for k in r} & set(added))
         if clash:
             raise DataError(
@@ -108,38 +131,72 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model.to(device)
-    probs = predict(model, tokenizer, dataset, args.batch_size, max_length, device, args.bf16)
-    names = [model.config.id2label[i] for i in range(probs.shape[1])]
-    predicted = probs.argmax(-1).tolist()
+    scores = predict(model, tokenizer, dataset, args.batch_size, max_length, device, args.bf16)
+    rows = [_prediction(problem_type, names, row, args.threshold) for row in scores.tolist()]
     try:
-        _write_predictions(out, out_format, dataset.records, names, predicted, probs.tolist())
+        _write_predictions(out, out_format, dataset.records, rows)
     except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
         print(f"error: cannot write {out}: {exc}", file=sys.stderr)
         return 1
-    counts = {n: predicted.count(i) for i, n in enumerate(names)}
-    print(f"wrote {len(predicted)} predictions to {out} ({', '.join(f'{n}: {c}' for n, c in counts.items())})")
+    print(f"wrote {len(rows)} predictions to {out} ({_summary(problem_type, names, rows)})")
     return 0
 
 
-def _write_predictions(
-    out: Path, out_format: str, records: list[dict], names: list[str], predicted: list[int], probs: list[list[float]]
-) -> None:
+def _added_columns(problem_type: str, names: list[str]) -> list[str]:
+    """The columns the predictions add (CSV/TSV and JSONL alike, so either clash is refused)."""
+    if problem_type == "regression":
+        return ["predicted_value"] if len(names) == 1 else [f"predicted_{n}" for n in names]
+    head = "predicted_labels" if problem_type == "multi_label_classification" else "predicted_label"
+    return [head, "probabilities"] + [f"prob_{n}" for n in names]
+
+
+def _prediction(problem_type: str, names: list[str], scores: list[float], threshold: float) -> dict:
+    """One row's prediction as JSON: the value(s), or the label(s) and each probability."""
+    if problem_type == "regression":
+        return dict(zip(_added_columns(problem_type, names), scores))
+    probabilities = dict(zip(names, scores))
+    if problem_type == "multi_label_classification":
+        return {
+            "predicted_labels": [n for n, p in probabilities.items() if p >= threshold],
+            "probabilities": probabilities,
+        }
+    return {"predicted_label": names[max(range(len(scores)), key=scores.__getitem__)], "probabilities": probabilities}
+
+
+def _flat(prediction: dict) -> dict:
+    """A prediction as CSV/TSV columns: `prob_<label>` columns, label lists joined by "|"."""
+    flat = {k: v for k, v in prediction.items() if k != "probabilities"}
+    if "predicted_labels" in flat:
+        flat["predicted_labels"] = "|".join(flat["predicted_labels"])
+    flat.update({f"prob_{n}": p for n, p in prediction.get("probabilities", {}).items()})
+    return flat
+
+
+def _summary(problem_type: str, names: list[str], rows: list[dict]) -> str:
+    if problem_type == "regression":
+        key = next(iter(rows[0])) if rows else "predicted_value"
+        values = [r[key] for r in rows]
+        return f"{key} from {min(values, default=0):.4g} to {max(values, default=0):.4g}"
+    key = "predicted_labels" if problem_type == "multi_label_classification" else "predicted_label"
+    counts = {n: sum(n in r[key] if isinstance(r[key], list) else n == r[key] for r in rows) for n in names}
+    return ", ".join(f"{n}: {c}" for n, c in counts.items())
+
+
+def _write_predictions(out: Path, out_format: str, records: list[dict], rows: list[dict]) -> None:
     """Every input column plus the prediction, written under a temporary name and renamed
     into place: never half a file."""
     from bert_port.checkpoint import atomic_write
 
     with atomic_write(out) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
         if out_format == "jsonl":
-            for record, p, row in zip(records, predicted, probs):
-                full = {**record, "predicted_label": names[p], "probabilities": dict(zip(names, row))}
-                f.write(json.dumps(full, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps({**record, **row}, ensure_ascii=False) + "\n" for record, row in zip(records, rows))
         else:
-            columns = list(dict.fromkeys(k for r in records for k in r))
-            columns += ["predicted_label"] + [f"prob_{n}" for n in names]
+            flat = [_flat(row) for row in rows]
+            columns = list(dict.fromkeys(k for r in records for k in r)) + list(flat[0] if flat else [])
             writer = csv.DictWriter(f, fieldnames=columns, delimiter="," if out_format == "csv" else "\t")
             writer.writeheader()
-            for record, p, row in zip(records, predicted, probs):
-                writer.writerow({**record, "predicted_label": names[p], **{f"prob_{n}": x for n, x in zip(names, row)}})
+            for record, row in zip(records, flat):
+                writer.writerow({**record, **row})
 
 
 def _trained_max_length(model_dir: Path) -> int:
