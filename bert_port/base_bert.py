@@ -349,7 +349,7 @@ class BertPreTrainedModel(nn.Module):
         incoming = {k: v for k, v in incoming.items() if k not in tied}
 
         missing = [k for k in expected if k not in incoming]
-        new_keys = [k for k in missing if k.startswith(self.keys_to_init_if_missing)]
+        new_keys = [k for k in missing if k.startswith(self.init_if_missing_prefixes)]
         missing = [k for k in missing if k not in new_keys]
         unexpected = [k for k in incoming if k not in expected]
         unused = [k for k in unexpected if self._is_unused_ok(k)]
@@ -434,6 +434,14 @@ class BertPreTrainedModel(nn.Module):
         self.tie_weights()  # an assigning load replaced the tied parameters' sources
         return new_keys
 
+    @property
+    def init_if_missing_prefixes(self) -> tuple[str, ...]:
+        """Prefixes of the port keys a checkpoint may lack: `keys_to_init_if_missing` and, when
+        the model has a pooling layer, the pooler, which transformers initialises (with a
+        warning) when a BertModel loads a checkpoint saved without one (BertForMaskedLM's)."""
+        pooler = (self.port_encoder_prefix + "pooler_dense.",) if self.encoder.add_pooling_layer else ()
+        return self.keys_to_init_if_missing + pooler
+
     def _is_unused_ok(self, key: str) -> bool:
         # A checkpoint's pooler is fine to ignore for a model built without one, and a task
         # head (a fine-tuned classifier's `classifier.*`) for a model without that head, as
@@ -448,9 +456,19 @@ class BertPreTrainedModel(nn.Module):
         reference = next(p for p in self.parameters() if not p.is_meta)
         for name in owners:
             module = self.get_submodule(name)
+            # Only the missing tensors are new: a loaded one beside them (a file with the pooler's
+            # weight but not its bias) is put back after the module is initialised.
+            # (to_empty may swap a parameter's data in place, hence the detached reference.)
+            loaded = {
+                n: p.detach()
+                for n, p in module.named_parameters(recurse=False)
+                if not p.is_meta and f"{name}.{n}" not in keys
+            }
             module.to_empty(device=device or reference.device, recurse=False)
             self._init_weights(module)
             module.to(dtype or reference.dtype)
+            for attr, tensor in loaded.items():
+                getattr(module, attr).data = tensor
 
     @staticmethod
     def _describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind=()) -> str:

@@ -179,6 +179,53 @@ def test_checkpoint_without_the_head_initialises_it_and_says_so(minilm_path, cap
     assert not any(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.parametrize("cls_name", ["BertModel", "BertForSequenceClassification", "BertForPreTraining"])
+def test_checkpoint_without_a_pooler_loads_with_the_pooler_initialised(tmp_path, caplog, cls_name):
+    """A BertForMaskedLM save has no pooler; a model with one initialises it and says so, as
+    transformers does for the same file (its missing keys are ours, in HF names), and the rest
+    of the model computes what transformers' does."""
+    import transformers
+
+    import bert_port
+
+    _reference("BertForMaskedLM", TINY).save_pretrained(tmp_path)
+    hf, info = getattr(transformers, cls_name).from_pretrained(
+        str(tmp_path), output_loading_info=True, attn_implementation="eager"
+    )
+    with caplog.at_level(logging.WARNING):
+        ours = getattr(bert_port, cls_name).from_pretrained(tmp_path, **EXACT)
+    new = ours.loading_info["newly_initialized"]
+    encoder = ours.encoder
+    in_hf_names = checkpoint.port_to_hf(
+        {k.removeprefix(ours.port_encoder_prefix): None for k in new}, encoder_prefix=ours.hf_encoder_prefix
+    )
+    assert set(in_hf_names) == set(info["missing_keys"])
+    assert {"pooler_dense.weight", "pooler_dense.bias"} <= {k.removeprefix("bert.") for k in new}
+    assert "newly initialised" in caplog.text and "pooler_dense" in caplog.text
+    assert not any(p.is_meta for p in ours.parameters())
+    assert encoder.pooler_dense.weight.std() > 0 and torch.equal(
+        encoder.pooler_dense.bias.abs().sum(), torch.tensor(0.0)
+    )
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        expected = (hf.bert if cls_name != "BertModel" else hf).eval()(**batch).last_hidden_state
+        assert torch.equal(encoder(**batch).last_hidden_state, expected)
+
+
+def test_a_pooler_half_in_the_file_keeps_the_half_it_has(tmp_path):
+    """Only the missing tensor is initialised: the pooler weight in the file stays as read."""
+    from safetensors.torch import save_file
+
+    hf = _reference("BertModel", TINY)
+    state = {k: v.clone() for k, v in hf.state_dict().items() if k != "pooler.dense.bias"}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    ours = BertModel.from_pretrained(tmp_path)
+    assert ours.loading_info["newly_initialized"] == ["pooler_dense.bias"]
+    assert torch.equal(ours.pooler_dense.weight, hf.pooler.dense.weight)
+    assert torch.equal(ours.pooler_dense.bias, torch.zeros_like(ours.pooler_dense.bias))
+
+
 def test_heads_keep_their_names_in_the_key_table():
     """hf_to_port keeps a head's keys for a model that owns it and drops `cls.*` otherwise."""
     state = {"cls.predictions.bias": torch.zeros(3), "cls.seq_relationship.weight": torch.zeros(2, 3)}
