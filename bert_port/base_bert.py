@@ -346,6 +346,13 @@ class BertPreTrainedModel(nn.Module):
                 + f", which {type(self).__name__} ties together (as transformers does with tie_word_embeddings); "
                 "this checkpoint has untied heads, which the port does not support. Nothing was loaded"
             )
+        # A tied copy without what it is tied to (a file holding `cls.predictions.decoder.bias`
+        # but no `cls.predictions.bias`) is that tensor: it loads under the source's name, as
+        # transformers 5 loads it.
+        for k in tied:
+            source_key = self.tied_weights[k]
+            if source_key not in incoming:
+                incoming[source_key], sources[source_key] = incoming[k], sources[k]
         incoming = {k: v for k, v in incoming.items() if k not in tied}
 
         missing = [k for k in expected if k not in incoming]

@@ -129,6 +129,28 @@ def test_untied_decoder_in_a_checkpoint_is_refused(tmp_path):
         BertForMaskedLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForPreTraining"])
+def test_output_bias_stored_only_as_the_decoder_bias_loads(tmp_path, name):
+    """A file with the tied copy `cls.predictions.decoder.bias` but not `cls.predictions.bias`:
+    the bias is read from the copy, as transformers reads it (not left at zero)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = _reference(name, TINY)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    del state["cls.predictions.bias"], state["cls.predictions.decoder.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, architectures=[name])))
+    reference = getattr(transformers, name).from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    ours = HEADS[name][0].from_pretrained(tmp_path, **EXACT)
+    assert ours.loading_info["newly_initialized"] == []
+    assert torch.equal(ours.cls.predictions.bias, reference.cls.predictions.bias)
+    assert ours.cls.predictions.decoder.bias is ours.cls.predictions.bias
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(ours(**batch)[0], reference(**batch)[0])
+
+
 def test_bert_base_layout_heads_load_into_each_model(bert_base_layout):
     """The bert-base-uncased layout: `bert.` prefixes, LayerNorm.gamma/beta, `cls.*` heads and
     the decoder written beside the embedding. transformers reads the same file as reference."""
