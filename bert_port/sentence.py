@@ -211,19 +211,18 @@ class SentenceEncoder(nn.Module):
         return F.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
 
     @torch.inference_mode()
-    def encode(
-        self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool | None = None
-    ) -> Tensor:
+    def encode(self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool = False) -> Tensor:
         """Embeddings of `texts`: (N, D) on the model's device, or (D,) for one bare string, as
         sentence-transformers returns them. Texts longer than `max_seq_length` tokens are
-        truncated. `normalize_embeddings`: None follows the checkpoint (its Normalize module);
-        True or False forces unit length on or off. Batches are formed from texts of similar
-        length (fewer pads), and the result is in the order of `texts`."""
+        truncated. `normalize_embeddings`, as in sentence-transformers: True scales to unit
+        length on top of the pipeline; False (the default) adds nothing, and the checkpoint's
+        Normalize module still runs (for raw vectors, load with `normalize=False`). Batches are
+        formed from texts of similar length (fewer pads), and the result is in the order of `texts`."""
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        normalize = self.normalize if normalize_embeddings is None else normalize_embeddings
+        normalize = self.normalize or bool(normalize_embeddings)
         was_training = self.training
         self.eval()
         try:

@@ -58,15 +58,25 @@ def test_encode_equals_sentence_transformers(minilm_path, st_reference):
     assert (torch.nn.functional.normalize(pooled, dim=1) - expected[:3]).abs().max() > 0.1
 
 
-def test_normalize_embeddings_overrides_the_checkpoint(minilm_path, st_reference):
-    encoder = SentenceEncoder.from_pretrained(minilm_path)
-    raw = encoder.encode(TEXTS[:4], normalize_embeddings=False)
-    # sentence-transformers without its Normalize module: the raw mean-pooled vectors.
+def test_normalize_embeddings_as_sentence_transformers(minilm_path, st_reference):
+    """`normalize_embeddings=False` (sentence-transformers' default) adds no normalisation and
+    keeps the checkpoint's Normalize module; `normalize=False` at load drops that module;
+    `normalize_embeddings=True` normalises on top, each as sentence-transformers does."""
     from sentence_transformers import SentenceTransformer
 
+    texts = TEXTS[:4]
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    kept = encoder.encode(texts, normalize_embeddings=False)
+    torch.testing.assert_close(kept, _st_encode(st_reference, texts, normalize_embeddings=False), **TOL[torch.float32])
+    torch.testing.assert_close(kept.norm(dim=1), torch.ones(len(texts)), **TOL[torch.float32])
+    # sentence-transformers without its Normalize module: the raw mean-pooled vectors.
     no_norm = SentenceTransformer(modules=[st_reference[0], st_reference[1]], device="cpu")
-    torch.testing.assert_close(raw, _st_encode(no_norm, TEXTS[:4]), **TOL[torch.float32])
+    raw_encoder = SentenceEncoder.from_pretrained(minilm_path, normalize=False)
+    raw = raw_encoder.encode(texts)
+    torch.testing.assert_close(raw, _st_encode(no_norm, texts), **TOL[torch.float32])
     assert (raw.norm(dim=1) - 1).abs().max() > 0.1
+    forced = raw_encoder.encode(texts, normalize_embeddings=True)
+    torch.testing.assert_close(forced, _st_encode(no_norm, texts, normalize_embeddings=True), **TOL[torch.float32])
 
 
 def test_forward_gives_differentiable_embeddings(minilm_path):
