@@ -28,31 +28,6 @@ log = logging.getLogger(__name__)
 
 CHECK_FINITE_MODES = ("error", "warn", "ignore")
 
-# sentence-transformers' files beside a checkpoint: the pipeline and its settings.
-ST_MODULES = "modules.json"
-ST_FILES = (ST_MODULES, "sentence_bert_config.json", "config_sentence_transformers.json")
-
-
-def sentence_transformers_folders(directory: Path) -> list[str]:
-    """The module folders `modules.json` in `directory` names (`1_Pooling`, ...) that exist:
-    plain relative names only, never a path out of the directory."""
-    try:
-        modules = json.loads((directory / ST_MODULES).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ckpt.CheckpointError(
-            f"{directory / ST_MODULES} is not readable JSON ({exc}); restore it from the original checkpoint"
-        ) from None
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
-    out = []
-    for module in modules:
-        folder = module.get("path") or ""
-        if not isinstance(folder, str) or folder in ("", ".") or "/" in folder or "\\" in folder or folder == "..":
-            continue
-        if (directory / folder).is_dir():
-            out.append(folder)
-    return out
-
 
 @contextmanager
 def meta_init() -> Iterator[None]:
@@ -162,6 +137,10 @@ class BertPreTrainedModel(nn.Module):
     # Tied parameters, port names: target -> source (the MLM decoder is the word embedding).
     # Targets are neither read from nor written to checkpoints, as in transformers.
     tied_weights: ClassVar[dict[str, str]] = {}
+    # Whether `save_pretrained` copies the sentence-transformers files (modules.json,
+    # 1_Pooling/, ...) of the folder the model was loaded from: true for a bare encoder, which
+    # is the Transformer module those files describe; a task model's encoder no longer is.
+    keeps_sentence_transformers_files: ClassVar[bool] = True
     # Set by gradient_checkpointing_enable() on every BertModel inside the model.
     gradient_checkpointing: bool = False
 
@@ -662,26 +641,51 @@ class BertPreTrainedModel(nn.Module):
             stage.text(ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return out
 
-    def _stage_sentence_transformers(self, stage: ckpt.StagedWrite) -> None:
-        """A `BertModel` loaded from a sentence-transformers folder keeps that folder's
-        `modules.json`, its settings files and its module folders (`1_Pooling/config.json`),
-        so that `SentenceTransformer(saved_dir)` pools and normalises as the original did.
-        Module folders are written each as a staged write of their own (a staged write holds
-        one folder), before the top-level files commit. Task models do not copy them: their
-        encoder is no longer the sentence encoder those files describe."""
+    def sentence_transformers_files(self) -> tuple[list[str], list[str]]:
+        """The sentence-transformers files and module folders `save_pretrained` copies from the
+        folder the model was loaded from: none unless the model keeps them
+        (`keeps_sentence_transformers_files`) and that folder has a `modules.json`."""
         source = Path(self.source_dir) if self.source_dir is not None else None
-        if self.port_encoder_prefix or source is None or not (source / ST_MODULES).is_file():
-            return
-        if source.resolve() == stage.directory.resolve():
-            return
-        for folder in sentence_transformers_folders(source):
-            files = [p for p in (source / folder).iterdir() if p.is_file() and not p.name.startswith(".")]
-            with ckpt.StagedWrite(stage.directory / folder) as sub:
-                for file in files:
+        if not self.keeps_sentence_transformers_files or source is None or not (source / ckpt.ST_MODULES).is_file():
+            return [], []
+        return [n for n in ckpt.ST_FILES if (source / n).is_file()], ckpt.st_module_folders(source)
+
+    def _stage_sentence_transformers(self, stage: ckpt.StagedWrite) -> None:
+        """The folder's sentence-transformers files after the save are the model's, as with
+        tokenizer files (`_stage_tokenizer`): those of the folder it was loaded from, copied
+        (see `sentence_transformers_files`), so that `SentenceTransformer(saved_dir)` pools and
+        normalises as the original did; any other there (another model's `modules.json`,
+        settings, and the `{index}_{Module}` folders its modules.json names) is removed in the
+        same commit, or SentenceTransformer would run that model's pipeline on this one.
+        Module folders are written each as a staged write of their own (a staged write holds
+        one folder), before the top-level files commit."""
+        out = stage.directory
+        source = Path(self.source_dir) if self.source_dir is not None else None
+        if source is not None and source.resolve() == out.resolve():
+            return  # saved over the folder it came from: its files are its own
+        files, folders = self.sentence_transformers_files()
+        for folder in folders:
+            copies = [p for p in (source / folder).iterdir() if p.is_file() and not p.name.startswith(".")]
+            with ckpt.StagedWrite(out / folder) as sub:
+                for file in copies:
                     sub.copy(file.name, file)
-        for name in ST_FILES:
-            if (source / name).is_file():
-                stage.copy(name, source / name)
+        for name in files:
+            stage.copy(name, source / name)
+        try:
+            present_folders = ckpt.st_module_folders(out) if (out / ckpt.ST_MODULES).is_file() else []
+        except ckpt.CheckpointError:
+            present_folders = []  # an unreadable modules.json names no folders; it goes itself
+        foreign = [n for n in ckpt.ST_FILES if (out / n).is_file() and n not in files]
+        foreign += [f for f in present_folders if f not in folders and ckpt.ST_FOLDER.fullmatch(f)]
+        if foreign:
+            log.warning(
+                "%s: removing sentence-transformers files of the model saved there before: %s", out, ", ".join(foreign)
+            )
+            for name in foreign:
+                stage.remove(name)
+        left = [f for f in present_folders if f not in folders and not ckpt.ST_FOLDER.fullmatch(f)]
+        if left:
+            log.warning("%s: left %s in place (not named as sentence-transformers names module folders)", out, left)
 
     def _stage_tokenizer(self, stage: ckpt.StagedWrite, config: dict) -> None:
         """The folder's tokenizer files after the save are the model's: those of the directory

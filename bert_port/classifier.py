@@ -54,6 +54,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
     keys_to_init_if_missing = ("classifier.",)  # a base checkpoint has no head: initialise it and say so
     hf_encoder_prefix = "bert."
     port_encoder_prefix = "bert."
+    keeps_sentence_transformers_files = False  # the encoder under a head is no sentence encoder
 
     def __init__(self, config: BertConfig):
         super().__init__(config)

@@ -88,6 +88,7 @@ class _BertWithHead(BertPreTrainedModel):
 
     hf_encoder_prefix = "bert."
     port_encoder_prefix = "bert."
+    keeps_sentence_transformers_files = False  # the encoder under a head is no sentence encoder
 
     def _init_head(self, *modules: nn.Module) -> None:
         # The encoder initialised itself; a head built on the meta device (from_pretrained)

@@ -24,7 +24,6 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from . import checkpoint as ckpt
-from .base_bert import ST_MODULES
 from .bert import BertModel
 from .tokenization import encode, load_tokenizer
 
@@ -47,7 +46,6 @@ _TRANSFORMER, _POOLING, _NORMALIZE = (
     "sentence_transformers.models.Normalize",
 )
 POOLING_FOLDER = "1_Pooling"
-ST_CONFIG = "sentence_bert_config.json"
 
 
 def pool(token_embeddings: Tensor, attention_mask: Tensor, modes: Sequence[str]) -> Tensor:
@@ -107,23 +105,23 @@ def read_pipeline(directory: Path) -> dict:
     `normalize`, `max_seq_length` and `do_lower_case`; defaults of sentence-transformers for
     a plain BERT folder (mean pooling, no normalisation, the tokenizer's limit)."""
     settings: dict = {"pooling": ("mean",), "normalize": False, "max_seq_length": None, "do_lower_case": False}
-    if (directory / ST_CONFIG).is_file():
-        config = _read_json(directory / ST_CONFIG)
+    if (directory / ckpt.ST_CONFIG).is_file():
+        config = _read_json(directory / ckpt.ST_CONFIG)
         settings["max_seq_length"] = config.get("max_seq_length")
         settings["do_lower_case"] = bool(config.get("do_lower_case", False))
-    if not (directory / ST_MODULES).is_file():
+    if not (directory / ckpt.ST_MODULES).is_file():
         log.info(
-            "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)", directory, ST_MODULES
+            "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)",
+            directory,
+            ckpt.ST_MODULES,
         )
         return settings
-    modules = _read_json(directory / ST_MODULES)
-    types = [m.get("type") for m in modules] if isinstance(modules, list) else None
-    if not types or not all(isinstance(m, dict) for m in modules):
-        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
+    modules = ckpt.read_st_modules(directory)
+    types = [m.get("type") for m in modules]
     unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
     if unknown or types[0] != _TRANSFORMER:
         raise ckpt.CheckpointError(
-            f"{directory / ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed by "
+            f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed by "
             "Pooling and optionally Normalize. Use sentence-transformers for this model"
         )
     for module in modules:
@@ -263,9 +261,9 @@ class SentenceEncoder(nn.Module):
             stage.text("config.json", json.dumps(pooling, indent=2) + "\n")
         with ckpt.StagedWrite(out) as stage:
             stage.text(
-                ST_CONFIG,
+                ckpt.ST_CONFIG,
                 json.dumps({"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}, indent=2)
                 + "\n",
             )
-            stage.text(ST_MODULES, json.dumps(modules, indent=2) + "\n")
+            stage.text(ckpt.ST_MODULES, json.dumps(modules, indent=2) + "\n")
         return out

@@ -104,6 +104,49 @@ def test_saved_model_and_converted_checkpoint_load_in_sentence_transformers(tmp_
         torch.testing.assert_close(SentenceEncoder.from_pretrained(out).encode(TEXTS), expected, **TOL[torch.float32])
 
 
+def _plain_copy(minilm_path, directory):
+    """The bundled model without its sentence-transformers files: a plain BERT folder."""
+    import shutil
+
+    directory.mkdir()
+    for file in minilm_path.iterdir():
+        if file.is_file() and file.name not in ("modules.json", "sentence_bert_config.json", "README.md"):
+            shutil.copy(file, directory / file.name)
+    return directory
+
+
+def test_save_over_another_models_sentence_transformers_files_removes_them(tmp_path, minilm_path, st_reference, capsys):
+    """A model with no sentence-transformers source, saved (or converted) into a folder that
+    holds another model's modules.json, 1_Pooling/, 2_Normalize/, ...: those go in the same
+    commit, so SentenceTransformer reads the folder as the plain BERT it now is."""
+    from sentence_transformers import SentenceTransformer
+
+    plain = _plain_copy(minilm_path, tmp_path / "plain")
+    no_norm = SentenceTransformer(modules=[st_reference[0], st_reference[1]], device="cpu")
+    expected = _st_encode(no_norm, TEXTS[:4])
+    st_names = {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling"}
+    for how in ("save", "convert"):
+        out = tmp_path / how
+        BertModel.from_pretrained(minilm_path).save_pretrained(out)
+        (out / "2_Normalize").mkdir()
+        modules = json.loads((out / "modules.json").read_text())
+        (out / "modules.json").write_text(json.dumps([*modules[:2], {**modules[2], "path": "2_Normalize"}]))
+        capsys.readouterr()
+        if how == "save":
+            BertModel.from_pretrained(plain).save_pretrained(out)
+        else:
+            assert convert_main([str(plain), str(out), "--overwrite"]) == 0
+            assert "copied:" not in capsys.readouterr().out
+        left = {p.name for p in out.iterdir()}
+        assert not left & (st_names | {"2_Normalize"}), left
+        reloaded = SentenceTransformer(str(out), device="cpu", local_files_only=True)
+        torch.testing.assert_close(_st_encode(reloaded, TEXTS[:4]), expected, **TOL[torch.float32])
+    # From a sentence-transformers SRC, convert says what it copied.
+    assert convert_main([str(minilm_path), str(tmp_path / "st")]) == 0
+    report = capsys.readouterr().out
+    assert "copied:    sentence-transformers files from SRC: modules.json" in report and "1_Pooling/" in report
+
+
 @pytest.mark.parametrize("pooling", [("cls",), ("mean", "max"), ("max", "cls")])  # all modes: the tiny test below
 def test_encoder_save_writes_its_own_pipeline(tmp_path, minilm_path, pooling):
     from sentence_transformers import SentenceTransformer
