@@ -7,12 +7,13 @@ weights is held. Every missing, unexpected or mis-shaped tensor is reported in o
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
@@ -27,6 +28,62 @@ log = logging.getLogger(__name__)
 
 
 CHECK_FINITE_MODES = ("error", "warn", "ignore")
+
+
+_NO_NETWORK = "the port never uses the network: it reads local folders and the local HF cache only"
+_ONE_DEVICE = "the port keeps the whole model on one device (pass device= or device_map='cuda:0')"
+_NO_QUANTISATION = "quantised loading is not supported; load in floating point (dtype=torch.float16, ...)"
+_NOT_TORCH = "only PyTorch (.bin) and safetensors weights are read; convert the weights with transformers first"
+# transformers' from_pretrained arguments the port does not take, and why: a user passing them
+# is told so, not to check the spelling.
+UNSUPPORTED_LOADER_ARGUMENTS = {
+    "token": _NO_NETWORK,
+    "use_auth_token": _NO_NETWORK,
+    "force_download": _NO_NETWORK,
+    "resume_download": _NO_NETWORK,
+    "proxies": _NO_NETWORK,
+    "mirror": _NO_NETWORK,
+    "trust_remote_code": "the port runs only its own BERT code, never code shipped with a checkpoint",
+    "low_cpu_mem_usage": (
+        "there is nothing to switch: loading always builds the model on the meta device and adopts the "
+        "checkpoint's tensors, without a second copy"
+    ),
+    "subfolder": "pass the subfolder's path itself as the checkpoint",
+    "from_tf": _NOT_TORCH,
+    "from_flax": _NOT_TORCH,
+    "use_safetensors": "the loader takes model.safetensors when there is one, else pytorch_model.bin",
+    "variant": "variant weight files (model.fp16.safetensors) are not looked for; pass the weights file itself",
+    "quantization_config": _NO_QUANTISATION,
+    "load_in_8bit": _NO_QUANTISATION,
+    "load_in_4bit": _NO_QUANTISATION,
+    "max_memory": _ONE_DEVICE,
+    "offload_folder": _ONE_DEVICE,
+    "offload_state_dict": _ONE_DEVICE,
+    "offload_buffers": _ONE_DEVICE,
+    "tp_plan": _ONE_DEVICE,
+    "key_mapping": "checkpoint names are mapped by the port's own key table (bert_port.checkpoint.keys)",
+}
+
+
+class LoaderArgumentError(TypeError):
+    """A keyword argument `from_pretrained` does not take: transformers loader arguments the
+    port does not support (each said why), or names that are neither an argument nor a config
+    field (`unknown`). `named` gives the same error for a caller's own from_pretrained."""
+
+    def __init__(self, owner: str, unsupported: list[str], unknown: list[str], arguments: Iterable[str]):
+        self.owner, self.unsupported, self.unknown = owner, unsupported, unknown
+        self.arguments = sorted(set(arguments))
+        parts = [f"{owner}() does not support {k}=: {UNSUPPORTED_LOADER_ARGUMENTS[k]}" for k in unsupported]
+        if unknown:
+            parts.append(
+                f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: not a "
+                f"from_pretrained argument ({', '.join(self.arguments)}), nor a field of BertConfig or of the "
+                "checkpoint's config.json; check the spelling"
+            )
+        super().__init__("; ".join(parts))
+
+    def named(self, owner: str, arguments: Iterable[str] = ()) -> LoaderArgumentError:
+        return LoaderArgumentError(owner, self.unsupported, self.unknown, [*self.arguments, *arguments])
 
 
 @contextmanager
@@ -196,6 +253,8 @@ class BertPreTrainedModel(nn.Module):
         config_file: str | os.PathLike | None = None,
         check_finite: str = "error",
         revision: str = "main",
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = True,
         output_loading_info: bool = False,
         **kwargs,
     ):
@@ -211,15 +270,23 @@ class BertPreTrainedModel(nn.Module):
         check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
             or "ignore" for NaN/Inf weights.
         revision: the cache ref or commit hash to use for a model id.
+        cache_dir: the HF cache to look a model id up in, instead of the one the environment
+            names (HF_HUB_CACHE, HF_HOME, ...), as in transformers.
+        local_files_only: accepted for transformers' calls and ignored: the port never uses
+            the network, so every load is local.
         output_loading_info: also return `model.loading_info` (what was renamed, dropped,
             skipped or newly initialised), as transformers' flag of the same name does.
         Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
         `num_labels=3`, or any field the checkpoint's config.json has) or go to the
-        constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError` naming
-        it, as in transformers. Runtime choices (`attn_implementation`, `unpad_inputs`, dtype,
+        constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError`
+        (`LoaderArgumentError`) naming it, as in transformers, and saying why for transformers
+        loader arguments the port does not support (`token`, `trust_remote_code`, ...). Runtime choices (`attn_implementation`, `unpad_inputs`, dtype,
         device) are never written to config.json by `save_pretrained`. Returns the model in
         eval mode.
         """
+        unsupported = [k for k in kwargs if k in UNSUPPORTED_LOADER_ARGUMENTS]
+        if unsupported:
+            raise LoaderArgumentError(f"{cls.__name__}.from_pretrained", unsupported, [], cls._argument_names())
         _check_finite_mode(check_finite)
         if torch_dtype is not None:
             if dtype is not None and resolve_dtype(dtype) != resolve_dtype(torch_dtype):
@@ -227,7 +294,7 @@ class BertPreTrainedModel(nn.Module):
             dtype = torch_dtype
         dtype = resolve_dtype(dtype)
         device = resolve_device_map(device, device_map)  # before any file is read
-        files = ckpt.locate_checkpoint(path, config_file, revision)
+        files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
         cls._check_overrides(kwargs, config if config is not None else files.config_file)
         if config is None:
@@ -257,21 +324,16 @@ class BertPreTrainedModel(nn.Module):
             known = config if isinstance(config, BertConfig) else BertConfig.from_json_file(config)
             unknown = [k for k in unknown if k not in known.extra]
         if unknown:
-            arguments = sorted(
-                {"dtype", "torch_dtype", "device", "device_map", "config", "config_file", "check_finite"}
-                | {"revision", "output_loading_info"}
-                | cls._init_kwarg_names()
-            )
-            raise TypeError(
-                f"{cls.__name__}.from_pretrained() got unexpected keyword argument(s) "
-                f"{', '.join(map(repr, unknown))}: not a from_pretrained argument ({', '.join(arguments)}), "
-                "nor a field of BertConfig or of the checkpoint's config.json; check the spelling"
-            )
+            raise LoaderArgumentError(f"{cls.__name__}.from_pretrained", [], unknown, cls._argument_names())
+
+    @classmethod
+    def _argument_names(cls) -> set[str]:
+        """The keyword arguments from_pretrained takes (its own and the constructor's)."""
+        own = inspect.signature(BertPreTrainedModel.from_pretrained.__func__).parameters
+        return {n for n, p in own.items() if p.kind == p.KEYWORD_ONLY} | cls._init_kwarg_names()
 
     @classmethod
     def _init_kwarg_names(cls) -> set[str]:
-        import inspect
-
         return set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
 
     def load_hf_state_dict(

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from . import checkpoint as ckpt
+from .base_bert import LoaderArgumentError
 from .bert import BertModel
 from .tokenization import encode, load_tokenizer
 
@@ -186,7 +187,10 @@ class SentenceEncoder(nn.Module):
         normalisation when `modules.json` lists `Normalize`, `max_seq_length` from
         `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
         `BertModel.from_pretrained` (dtype, device, attn_implementation, ...)."""
-        model = BertModel.from_pretrained(path, **model_kwargs)
+        try:
+            model = BertModel.from_pretrained(path, **model_kwargs)
+        except LoaderArgumentError as exc:  # the caller called SentenceEncoder.from_pretrained
+            raise exc.named(f"{cls.__name__}.from_pretrained", ("pooling", "normalize", "max_seq_length")) from None
         settings = read_pipeline(Path(model.source_dir))
         return cls(
             model,

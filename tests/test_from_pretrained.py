@@ -72,6 +72,35 @@ def test_config_overrides_and_unknown_keywords(tmp_path, minilm_path):
     assert not {"attn_implementation", "unpad_inputs", "device_map", "torch_dtype", "no_such_option"} & set(saved)
 
 
+def test_transformers_loader_keywords(minilm_path):
+    """transformers' usual loader keywords: `local_files_only` is taken (every load is local),
+    those the port does not support say so and why, not "check the spelling"; a
+    SentenceEncoder's errors name SentenceEncoder."""
+    import transformers
+
+    from bert_port import SentenceEncoder
+    from bert_port.base_bert import UNSUPPORTED_LOADER_ARGUMENTS
+
+    ours = BertModel.from_pretrained(minilm_path, local_files_only=True, **EXACT)
+    reference = transformers.BertModel.from_pretrained(
+        str(minilm_path), local_files_only=True, attn_implementation="eager"
+    ).eval()
+    batch = random_batch(ours.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch)[0], reference(**batch)[0], **TOL[torch.float32])
+    for name, value in [("token", "hf_x"), ("trust_remote_code", True), ("low_cpu_mem_usage", True)]:
+        with pytest.raises(TypeError) as err:
+            BertModel.from_pretrained(minilm_path, **{name: value})
+        message = str(err.value)
+        assert f"BertModel.from_pretrained() does not support {name}=: " in message
+        assert UNSUPPORTED_LOADER_ARGUMENTS[name] in message and "spelling" not in message
+    for kwargs in ({"force_download": True}, {"no_such_option": 3}):
+        with pytest.raises(TypeError) as err:
+            SentenceEncoder.from_pretrained(minilm_path, **kwargs)
+        assert str(err.value).startswith("SentenceEncoder.from_pretrained() ") and "BertModel" not in str(err.value)
+    assert "normalize" in str(err.value)  # the arguments it lists are SentenceEncoder's too
+
+
 def test_return_dict_false_and_use_cache(tmp_path):
     hf = hf_model(TINY)
     hf.save_pretrained(tmp_path)
