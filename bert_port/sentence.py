@@ -102,35 +102,66 @@ def _pooling_modes(config: dict, source: Path) -> tuple[str, ...]:
 
 
 def read_pipeline(directory: Path) -> dict:
-    """What a checkpoint folder's sentence-transformers files say: `pooling` (the modes),
-    `normalize`, `max_seq_length` and `do_lower_case`; defaults of sentence-transformers for
-    a plain BERT folder (mean pooling, no normalisation, the tokenizer's limit)."""
-    settings: dict = {"pooling": ("mean",), "normalize": False, "max_seq_length": None, "do_lower_case": False}
-    if (directory / ckpt.ST_CONFIG).is_file():
-        config = _read_json(directory / ckpt.ST_CONFIG)
-        settings["max_seq_length"] = config.get("max_seq_length")
-        settings["do_lower_case"] = bool(config.get("do_lower_case", False))
-    if not (directory / ckpt.ST_MODULES).is_file():
+    """What a checkpoint folder's sentence-transformers files say: `transformer` (the folder of
+    the Transformer module, relative to `directory`: "" for today's layout, `0_BERT` or
+    `0_Transformer` in older ones), `pooling` (the modes), `normalize`, `max_seq_length` and
+    `do_lower_case` (from the Transformer folder's `sentence_bert_config.json`); defaults of
+    sentence-transformers for a plain BERT folder (mean pooling, no normalisation, the
+    tokenizer's limit)."""
+    settings: dict = {
+        "transformer": "",
+        "pooling": ("mean",),
+        "normalize": False,
+        "max_seq_length": None,
+        "do_lower_case": False,
+    }
+    if (directory / ckpt.ST_MODULES).is_file():
+        modules = ckpt.read_st_modules(directory)
+        types = [m.get("type") for m in modules]
+        unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
+        if unknown or types[0] != _TRANSFORMER:
+            raise ckpt.CheckpointError(
+                f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed "
+                "by Pooling and optionally Normalize. Use sentence-transformers for this model"
+            )
+        settings["transformer"] = _transformer_folder(directory, modules[0].get("path", ""))
+        for module in modules:
+            if module["type"] == _POOLING:
+                path = directory / module.get("path", POOLING_FOLDER) / "config.json"
+                settings["pooling"] = _pooling_modes(_read_json(path), path)
+        settings["normalize"] = _NORMALIZE in types
+    else:
         log.info(
             "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)",
             directory,
             ckpt.ST_MODULES,
         )
-        return settings
-    modules = ckpt.read_st_modules(directory)
-    types = [m.get("type") for m in modules]
-    unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
-    if unknown or types[0] != _TRANSFORMER:
-        raise ckpt.CheckpointError(
-            f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed by "
-            "Pooling and optionally Normalize. Use sentence-transformers for this model"
-        )
-    for module in modules:
-        if module["type"] == _POOLING:
-            path = directory / module.get("path", POOLING_FOLDER) / "config.json"
-            settings["pooling"] = _pooling_modes(_read_json(path), path)
-    settings["normalize"] = _NORMALIZE in types
+    st_config = directory / settings["transformer"] / ckpt.ST_CONFIG
+    if st_config.is_file():
+        config = _read_json(st_config)
+        settings["max_seq_length"] = config.get("max_seq_length")
+        settings["do_lower_case"] = bool(config.get("do_lower_case", False))
     return settings
+
+
+def _transformer_folder(directory: Path, path: object) -> str:
+    """The Transformer module's folder as modules.json names it, checked to be a folder inside
+    `directory` ("" or "." for the directory itself)."""
+    if path in ("", ".", "./"):
+        return ""
+    name = path.rstrip("/") if isinstance(path, str) else ""
+    if name in ("", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} gives the Transformer module the path {path!r}, which is not a folder "
+            "inside the checkpoint; restore modules.json from the original checkpoint"
+        )
+    path = name
+    if not (directory / path).is_dir():
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} puts the Transformer module (the BERT weights) in {path}/, but "
+            f"{directory / path} does not exist; the checkpoint is incomplete: copy that folder from the original"
+        )
+    return path
 
 
 class SentenceEncoder(nn.Module):
@@ -183,15 +214,21 @@ class SentenceEncoder(nn.Module):
         **model_kwargs,
     ) -> SentenceEncoder:
         """Load a checkpoint (directory or model id in the HF cache, as `BertModel.from_pretrained`)
-        and follow its sentence-transformers files: pooling from `1_Pooling/config.json`,
-        normalisation when `modules.json` lists `Normalize`, `max_seq_length` from
-        `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
+        and follow its sentence-transformers files: the BERT weights from the Transformer
+        module's folder (the checkpoint itself, or `0_BERT/` in older folders), pooling from
+        `1_Pooling/config.json`, normalisation when `modules.json` lists `Normalize`,
+        `max_seq_length` from `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
         `BertModel.from_pretrained` (dtype, device, attn_implementation, ...)."""
         try:
-            model = BertModel.from_pretrained(path, **model_kwargs)
+            root, model = Path(path).expanduser(), None
+            if not root.is_dir():  # a model id or weights file: the folder it resolves to
+                model = BertModel.from_pretrained(path, **model_kwargs)
+                root = Path(model.source_dir)
+            settings = read_pipeline(root)
+            if settings["transformer"] or model is None:  # older folders keep BERT in 0_BERT/ or 0_Transformer/
+                model = BertModel.from_pretrained(root / settings["transformer"], **model_kwargs)
         except LoaderArgumentError as exc:  # the caller called SentenceEncoder.from_pretrained
             raise exc.named(f"{cls.__name__}.from_pretrained", ("pooling", "normalize", "max_seq_length")) from None
-        settings = read_pipeline(Path(model.source_dir))
         return cls(
             model,
             load_tokenizer(model.source_dir),

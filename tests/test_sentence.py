@@ -182,6 +182,33 @@ def test_pool_equals_sentence_transformers_pooling(mode, dtype):
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
+def test_older_folder_with_bert_in_a_module_folder(tmp_path, minilm_path, st_reference):
+    """Older sentence-transformers folders keep BERT in `0_BERT/` (modules.json gives the
+    Transformer that path, and its sentence_bert_config.json lives there): loaded from it, with
+    what sentence-transformers computes for the same folder; a missing folder is named."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    root = tmp_path / "old"
+    root.mkdir()
+    _plain_copy(minilm_path, root / "0_BERT")
+    shutil.copy(minilm_path / "sentence_bert_config.json", root / "0_BERT")
+    shutil.copytree(minilm_path / "1_Pooling", root / "1_Pooling")
+    modules = json.loads((minilm_path / "modules.json").read_text())
+    modules[0]["path"] = "0_BERT"
+    (root / "modules.json").write_text(json.dumps(modules))
+    encoder = SentenceEncoder.from_pretrained(root, max_seq_length=None)
+    assert encoder.normalize and encoder.max_seq_length == 256
+    reference = SentenceTransformer(str(root), device="cpu", local_files_only=True)
+    torch.testing.assert_close(encoder.encode(TEXTS), _st_encode(reference), **TOL[torch.float32])
+    torch.testing.assert_close(encoder.encode(TEXTS), _st_encode(st_reference), **TOL[torch.float32])
+
+    shutil.rmtree(root / "0_BERT")
+    with pytest.raises(CheckpointError, match=r"Transformer module \(the BERT weights\) in 0_BERT/.*does not exist"):
+        SentenceEncoder.from_pretrained(root)
+
+
 def test_unsupported_pipeline_is_refused(tmp_path, minilm_path):
     import shutil
 
