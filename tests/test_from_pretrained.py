@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import EXACT, TINY, TOL, hf_model, random_batch
 
-from bert_port import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from bert_port import BertForMaskedLM, BertForSequenceClassification, BertModel
 
 
 @pytest.fixture
@@ -114,9 +114,23 @@ def test_return_dict_false_and_use_cache(tmp_path):
     assert isinstance(actual, tuple) and len(actual) == len(expected) == 2
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
     assert len(with_hidden) == len(hf_hidden) == 3 and len(with_hidden[2]) == len(hf_hidden[2])
-    classifier = BertForSequenceClassification(BertConfig.from_dict(TINY)).eval()
-    out = classifier(**batch, labels=torch.tensor([0, 1, 0]), return_dict=False)
-    assert isinstance(out, tuple) and out[0].dim() == 0 and out[1].shape == (3, 2)
+    assert all(torch.equal(a, e) for a, e in zip(with_hidden[2], hf_hidden[2]))
+
+    # The classifier's tuple is transformers' tuple: (loss, logits[, hidden_states]), value for value.
+    hf_classifier = hf_model(TINY, "BertForSequenceClassification")
+    hf_classifier.save_pretrained(tmp_path / "classifier")
+    classifier = BertForSequenceClassification.from_pretrained(tmp_path / "classifier", **EXACT)
+    labels = torch.tensor([0, 1, 0])
+    for kwargs in ({"labels": labels}, {}, {"labels": labels, "output_hidden_states": True}):
+        with torch.no_grad():
+            out = classifier(**batch, **kwargs, return_dict=False)
+            reference = hf_classifier(**batch, **kwargs, return_dict=False)
+        assert isinstance(out, tuple) and len(out) == len(reference), kwargs
+        for a, e in zip(out, reference):
+            if isinstance(e, tuple):
+                assert len(a) == len(e) and all(torch.equal(x, y) for x, y in zip(a, e))
+            else:
+                assert torch.equal(a, e), kwargs
 
 
 def _grads(model, batch, seed=0) -> dict[str, torch.Tensor]:

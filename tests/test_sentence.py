@@ -47,8 +47,6 @@ def test_encode_equals_sentence_transformers(minilm_path, st_reference):
     single = encoder.encode(TEXTS[0])
     assert single.shape == (384,)
     torch.testing.assert_close(single, st_reference.encode(TEXTS[0], convert_to_tensor=True), **TOL[torch.float32])
-    # Truncation at 256 tokens: the 300-word text equals its first 254 words.
-    torch.testing.assert_close(actual[6], encoder.encode(" ".join(["word"] * 254)), **TOL[torch.float32])
     # The pooler output is not this model's embedding.
     from bert_port import encode
 
@@ -145,6 +143,25 @@ def test_save_over_another_models_sentence_transformers_files_removes_them(tmp_p
     assert convert_main([str(minilm_path), str(tmp_path / "st")]) == 0
     report = capsys.readouterr().out
     assert "copied:    sentence-transformers files from SRC: modules.json" in report and "1_Pooling/" in report
+
+
+def test_encoder_save_with_normalize_from_a_folder_without_it(tmp_path, minilm_path):
+    """`normalize=True` over a plain BERT folder (no modules.json, no 2_Normalize/): the save
+    lists Normalize, and sentence-transformers reading it computes what the encoder does."""
+    from sentence_transformers import SentenceTransformer
+
+    plain = _plain_copy(minilm_path, tmp_path / "plain")
+    encoder = SentenceEncoder.from_pretrained(plain, normalize=True)
+    encoder.save_pretrained(tmp_path / "out")
+    modules = json.loads((tmp_path / "out" / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
+    reloaded = SentenceTransformer(str(tmp_path / "out"), device="cpu", local_files_only=True)
+    actual = encoder.encode(TEXTS)
+    torch.testing.assert_close(actual, _st_encode(reloaded), **TOL[torch.float32])
+    # sentence-transformers on the plain folder (its defaults: mean pooling), normalised on request.
+    on_plain = SentenceTransformer(str(plain), device="cpu", local_files_only=True)
+    assert reloaded.max_seq_length == on_plain.max_seq_length == encoder.max_seq_length
+    torch.testing.assert_close(actual, _st_encode(on_plain, normalize_embeddings=True), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("pooling", [("cls",), ("mean", "max"), ("max", "cls")])  # all modes: the tiny test below
