@@ -104,4 +104,4 @@ class BertForSequenceClassification(BertPreTrainedModel):
             else:
                 loss = per_example.mean()
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return out.to_tuple() if return_dict is False else out
+        return out.returned(return_dict)
