@@ -7,12 +7,13 @@ weights is held. Every missing, unexpected or mis-shaped tensor is reported in o
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
@@ -28,30 +29,61 @@ log = logging.getLogger(__name__)
 
 CHECK_FINITE_MODES = ("error", "warn", "ignore")
 
-# sentence-transformers' files beside a checkpoint: the pipeline and its settings.
-ST_MODULES = "modules.json"
-ST_FILES = (ST_MODULES, "sentence_bert_config.json", "config_sentence_transformers.json")
+
+_NO_NETWORK = "the port never uses the network: it reads local folders and the local HF cache only"
+_ONE_DEVICE = "the port keeps the whole model on one device (pass device= or device_map='cuda:0')"
+_NO_QUANTISATION = "quantised loading is not supported; load in floating point (dtype=torch.float16, ...)"
+_NOT_TORCH = "only PyTorch (.bin) and safetensors weights are read; convert the weights with transformers first"
+# transformers' from_pretrained arguments the port does not take, and why: a user passing them
+# is told so, not to check the spelling.
+UNSUPPORTED_LOADER_ARGUMENTS = {
+    "token": _NO_NETWORK,
+    "use_auth_token": _NO_NETWORK,
+    "force_download": _NO_NETWORK,
+    "resume_download": _NO_NETWORK,
+    "proxies": _NO_NETWORK,
+    "mirror": _NO_NETWORK,
+    "trust_remote_code": "the port runs only its own BERT code, never code shipped with a checkpoint",
+    "low_cpu_mem_usage": (
+        "there is nothing to switch: loading always builds the model on the meta device and adopts the "
+        "checkpoint's tensors, without a second copy"
+    ),
+    "subfolder": "pass the subfolder's path itself as the checkpoint",
+    "from_tf": _NOT_TORCH,
+    "from_flax": _NOT_TORCH,
+    "use_safetensors": "the loader takes model.safetensors when there is one, else pytorch_model.bin",
+    "variant": "variant weight files (model.fp16.safetensors) are not looked for; pass the weights file itself",
+    "quantization_config": _NO_QUANTISATION,
+    "load_in_8bit": _NO_QUANTISATION,
+    "load_in_4bit": _NO_QUANTISATION,
+    "max_memory": _ONE_DEVICE,
+    "offload_folder": _ONE_DEVICE,
+    "offload_state_dict": _ONE_DEVICE,
+    "offload_buffers": _ONE_DEVICE,
+    "tp_plan": _ONE_DEVICE,
+    "key_mapping": "checkpoint names are mapped by the port's own key table (bert_port.checkpoint.keys)",
+}
 
 
-def sentence_transformers_folders(directory: Path) -> list[str]:
-    """The module folders `modules.json` in `directory` names (`1_Pooling`, ...) that exist:
-    plain relative names only, never a path out of the directory."""
-    try:
-        modules = json.loads((directory / ST_MODULES).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ckpt.CheckpointError(
-            f"{directory / ST_MODULES} is not readable JSON ({exc}); restore it from the original checkpoint"
-        ) from None
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
-    out = []
-    for module in modules:
-        folder = module.get("path") or ""
-        if not isinstance(folder, str) or folder in ("", ".") or "/" in folder or "\\" in folder or folder == "..":
-            continue
-        if (directory / folder).is_dir():
-            out.append(folder)
-    return out
+class LoaderArgumentError(TypeError):
+    """A keyword argument `from_pretrained` does not take: transformers loader arguments the
+    port does not support (each said why), or names that are neither an argument nor a config
+    field (`unknown`). `named` gives the same error for a caller's own from_pretrained."""
+
+    def __init__(self, owner: str, unsupported: list[str], unknown: list[str], arguments: Iterable[str]):
+        self.owner, self.unsupported, self.unknown = owner, unsupported, unknown
+        self.arguments = sorted(set(arguments))
+        parts = [f"{owner}() does not support {k}=: {UNSUPPORTED_LOADER_ARGUMENTS[k]}" for k in unsupported]
+        if unknown:
+            parts.append(
+                f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: not a "
+                f"from_pretrained argument ({', '.join(self.arguments)}), nor a field of BertConfig or of the "
+                "checkpoint's config.json; check the spelling"
+            )
+        super().__init__("; ".join(parts))
+
+    def named(self, owner: str, arguments: Iterable[str] = ()) -> LoaderArgumentError:
+        return LoaderArgumentError(owner, self.unsupported, self.unknown, [*self.arguments, *arguments])
 
 
 @contextmanager
@@ -162,6 +194,10 @@ class BertPreTrainedModel(nn.Module):
     # Tied parameters, port names: target -> source (the MLM decoder is the word embedding).
     # Targets are neither read from nor written to checkpoints, as in transformers.
     tied_weights: ClassVar[dict[str, str]] = {}
+    # Whether `save_pretrained` copies the sentence-transformers files (modules.json,
+    # 1_Pooling/, ...) of the folder the model was loaded from: true for a bare encoder, which
+    # is the Transformer module those files describe; a task model's encoder no longer is.
+    keeps_sentence_transformers_files: ClassVar[bool] = True
     # Set by gradient_checkpointing_enable() on every BertModel inside the model.
     gradient_checkpointing: bool = False
 
@@ -217,6 +253,8 @@ class BertPreTrainedModel(nn.Module):
         config_file: str | os.PathLike | None = None,
         check_finite: str = "error",
         revision: str = "main",
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = True,
         output_loading_info: bool = False,
         **kwargs,
     ):
@@ -232,15 +270,23 @@ class BertPreTrainedModel(nn.Module):
         check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
             or "ignore" for NaN/Inf weights.
         revision: the cache ref or commit hash to use for a model id.
+        cache_dir: the HF cache to look a model id up in, instead of the one the environment
+            names (HF_HUB_CACHE, HF_HOME, ...), as in transformers.
+        local_files_only: accepted for transformers' calls and ignored: the port never uses
+            the network, so every load is local.
         output_loading_info: also return `model.loading_info` (what was renamed, dropped,
             skipped or newly initialised), as transformers' flag of the same name does.
         Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
         `num_labels=3`, or any field the checkpoint's config.json has) or go to the
-        constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError` naming
-        it, as in transformers. Runtime choices (`attn_implementation`, `unpad_inputs`, dtype,
+        constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError`
+        (`LoaderArgumentError`) naming it, as in transformers, and saying why for transformers
+        loader arguments the port does not support (`token`, `trust_remote_code`, ...). Runtime choices (`attn_implementation`, `unpad_inputs`, dtype,
         device) are never written to config.json by `save_pretrained`. Returns the model in
         eval mode.
         """
+        unsupported = [k for k in kwargs if k in UNSUPPORTED_LOADER_ARGUMENTS]
+        if unsupported:
+            raise LoaderArgumentError(f"{cls.__name__}.from_pretrained", unsupported, [], cls._argument_names())
         _check_finite_mode(check_finite)
         if torch_dtype is not None:
             if dtype is not None and resolve_dtype(dtype) != resolve_dtype(torch_dtype):
@@ -248,7 +294,7 @@ class BertPreTrainedModel(nn.Module):
             dtype = torch_dtype
         dtype = resolve_dtype(dtype)
         device = resolve_device_map(device, device_map)  # before any file is read
-        files = ckpt.locate_checkpoint(path, config_file, revision)
+        files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
         cls._check_overrides(kwargs, config if config is not None else files.config_file)
         if config is None:
@@ -278,21 +324,16 @@ class BertPreTrainedModel(nn.Module):
             known = config if isinstance(config, BertConfig) else BertConfig.from_json_file(config)
             unknown = [k for k in unknown if k not in known.extra]
         if unknown:
-            arguments = sorted(
-                {"dtype", "torch_dtype", "device", "device_map", "config", "config_file", "check_finite"}
-                | {"revision", "output_loading_info"}
-                | cls._init_kwarg_names()
-            )
-            raise TypeError(
-                f"{cls.__name__}.from_pretrained() got unexpected keyword argument(s) "
-                f"{', '.join(map(repr, unknown))}: not a from_pretrained argument ({', '.join(arguments)}), "
-                "nor a field of BertConfig or of the checkpoint's config.json; check the spelling"
-            )
+            raise LoaderArgumentError(f"{cls.__name__}.from_pretrained", [], unknown, cls._argument_names())
+
+    @classmethod
+    def _argument_names(cls) -> set[str]:
+        """The keyword arguments from_pretrained takes (its own and the constructor's)."""
+        own = inspect.signature(BertPreTrainedModel.from_pretrained.__func__).parameters
+        return {n for n, p in own.items() if p.kind == p.KEYWORD_ONLY} | cls._init_kwarg_names()
 
     @classmethod
     def _init_kwarg_names(cls) -> set[str]:
-        import inspect
-
         return set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
 
     def load_hf_state_dict(
@@ -346,10 +387,17 @@ class BertPreTrainedModel(nn.Module):
                 + f", which {type(self).__name__} ties together (as transformers does with tie_word_embeddings); "
                 "this checkpoint has untied heads, which the port does not support. Nothing was loaded"
             )
+        # A tied copy without what it is tied to (a file holding `cls.predictions.decoder.bias`
+        # but no `cls.predictions.bias`) is that tensor: it loads under the source's name, as
+        # transformers 5 loads it.
+        for k in tied:
+            source_key = self.tied_weights[k]
+            if source_key not in incoming:
+                incoming[source_key], sources[source_key] = incoming[k], sources[k]
         incoming = {k: v for k, v in incoming.items() if k not in tied}
 
         missing = [k for k in expected if k not in incoming]
-        new_keys = [k for k in missing if k.startswith(self.keys_to_init_if_missing)]
+        new_keys = [k for k in missing if k.startswith(self.init_if_missing_prefixes)]
         missing = [k for k in missing if k not in new_keys]
         unexpected = [k for k in incoming if k not in expected]
         unused = [k for k in unexpected if self._is_unused_ok(k)]
@@ -434,6 +482,14 @@ class BertPreTrainedModel(nn.Module):
         self.tie_weights()  # an assigning load replaced the tied parameters' sources
         return new_keys
 
+    @property
+    def init_if_missing_prefixes(self) -> tuple[str, ...]:
+        """Prefixes of the port keys a checkpoint may lack: `keys_to_init_if_missing` and, when
+        the model has a pooling layer, the pooler, which transformers initialises (with a
+        warning) when a BertModel loads a checkpoint saved without one (BertForMaskedLM's)."""
+        pooler = (self.port_encoder_prefix + "pooler_dense.",) if self.encoder.add_pooling_layer else ()
+        return self.keys_to_init_if_missing + pooler
+
     def _is_unused_ok(self, key: str) -> bool:
         # A checkpoint's pooler is fine to ignore for a model built without one, and a task
         # head (a fine-tuned classifier's `classifier.*`) for a model without that head, as
@@ -448,9 +504,19 @@ class BertPreTrainedModel(nn.Module):
         reference = next(p for p in self.parameters() if not p.is_meta)
         for name in owners:
             module = self.get_submodule(name)
+            # Only the missing tensors are new: a loaded one beside them (a file with the pooler's
+            # weight but not its bias) is put back after the module is initialised.
+            # (to_empty may swap a parameter's data in place, hence the detached reference.)
+            loaded = {
+                n: p.detach()
+                for n, p in module.named_parameters(recurse=False)
+                if not p.is_meta and f"{name}.{n}" not in keys
+            }
             module.to_empty(device=device or reference.device, recurse=False)
             self._init_weights(module)
             module.to(dtype or reference.dtype)
+            for attr, tensor in loaded.items():
+                getattr(module, attr).data = tensor
 
     @staticmethod
     def _describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind=()) -> str:
@@ -637,26 +703,51 @@ class BertPreTrainedModel(nn.Module):
             stage.text(ckpt.CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return out
 
-    def _stage_sentence_transformers(self, stage: ckpt.StagedWrite) -> None:
-        """A `BertModel` loaded from a sentence-transformers folder keeps that folder's
-        `modules.json`, its settings files and its module folders (`1_Pooling/config.json`),
-        so that `SentenceTransformer(saved_dir)` pools and normalises as the original did.
-        Module folders are written each as a staged write of their own (a staged write holds
-        one folder), before the top-level files commit. Task models do not copy them: their
-        encoder is no longer the sentence encoder those files describe."""
+    def sentence_transformers_files(self) -> tuple[list[str], list[str]]:
+        """The sentence-transformers files and module folders `save_pretrained` copies from the
+        folder the model was loaded from: none unless the model keeps them
+        (`keeps_sentence_transformers_files`) and that folder has a `modules.json`."""
         source = Path(self.source_dir) if self.source_dir is not None else None
-        if self.port_encoder_prefix or source is None or not (source / ST_MODULES).is_file():
-            return
-        if source.resolve() == stage.directory.resolve():
-            return
-        for folder in sentence_transformers_folders(source):
-            files = [p for p in (source / folder).iterdir() if p.is_file() and not p.name.startswith(".")]
-            with ckpt.StagedWrite(stage.directory / folder) as sub:
-                for file in files:
+        if not self.keeps_sentence_transformers_files or source is None or not (source / ckpt.ST_MODULES).is_file():
+            return [], []
+        return [n for n in ckpt.ST_FILES if (source / n).is_file()], ckpt.st_module_folders(source)
+
+    def _stage_sentence_transformers(self, stage: ckpt.StagedWrite) -> None:
+        """The folder's sentence-transformers files after the save are the model's, as with
+        tokenizer files (`_stage_tokenizer`): those of the folder it was loaded from, copied
+        (see `sentence_transformers_files`), so that `SentenceTransformer(saved_dir)` pools and
+        normalises as the original did; any other there (another model's `modules.json`,
+        settings, and the `{index}_{Module}` folders its modules.json names) is removed in the
+        same commit, or SentenceTransformer would run that model's pipeline on this one.
+        Module folders are written each as a staged write of their own (a staged write holds
+        one folder), before the top-level files commit."""
+        out = stage.directory
+        source = Path(self.source_dir) if self.source_dir is not None else None
+        if source is not None and source.resolve() == out.resolve():
+            return  # saved over the folder it came from: its files are its own
+        files, folders = self.sentence_transformers_files()
+        for folder in folders:
+            copies = [p for p in (source / folder).iterdir() if p.is_file() and not p.name.startswith(".")]
+            with ckpt.StagedWrite(out / folder) as sub:
+                for file in copies:
                     sub.copy(file.name, file)
-        for name in ST_FILES:
-            if (source / name).is_file():
-                stage.copy(name, source / name)
+        for name in files:
+            stage.copy(name, source / name)
+        try:
+            present_folders = ckpt.st_module_folders(out) if (out / ckpt.ST_MODULES).is_file() else []
+        except ckpt.CheckpointError:
+            present_folders = []  # an unreadable modules.json names no folders; it goes itself
+        foreign = [n for n in ckpt.ST_FILES if (out / n).is_file() and n not in files]
+        foreign += [f for f in present_folders if f not in folders and ckpt.ST_FOLDER.fullmatch(f)]
+        if foreign:
+            log.warning(
+                "%s: removing sentence-transformers files of the model saved there before: %s", out, ", ".join(foreign)
+            )
+            for name in foreign:
+                stage.remove(name)
+        left = [f for f in present_folders if f not in folders and not ckpt.ST_FOLDER.fullmatch(f)]
+        if left:
+            log.warning("%s: left %s in place (not named as sentence-transformers names module folders)", out, left)
 
     def _stage_tokenizer(self, stage: ckpt.StagedWrite, config: dict) -> None:
         """The folder's tokenizer files after the save are the model's: those of the directory

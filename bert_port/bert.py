@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import sdpa_attention, varlen_attention, varlen_supported
 from .base_bert import BertPreTrainedModel
@@ -275,8 +276,6 @@ class BertModel(BertPreTrainedModel):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # gradient_checkpointing_enable(): keep only the layer's input, recompute the rest
                 # in backward (non-reentrant: restores the RNG, so dropout masks are the same).
-                from torch.utils.checkpoint import checkpoint
-
                 layer = functools.partial(checkpoint, layer, use_reentrant=False)
             if output_attentions:  # never packed: only eager attention gives probabilities
                 hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True)

@@ -54,6 +54,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
     keys_to_init_if_missing = ("classifier.",)  # a base checkpoint has no head: initialise it and say so
     hf_encoder_prefix = "bert."
     port_encoder_prefix = "bert."
+    keeps_sentence_transformers_files = False  # the encoder under a head is no sentence encoder
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -103,4 +104,4 @@ class BertForSequenceClassification(BertPreTrainedModel):
             else:
                 loss = per_example.mean()
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return out.to_tuple() if return_dict is False else out
+        return out.returned(return_dict)

@@ -74,20 +74,17 @@ class BertPreTrainingHeads(nn.Module):
         return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
-def _finish(out: ModelOutput, return_dict: bool | None) -> ModelOutput | tuple:
-    return out.to_tuple() if return_dict is False else out
-
-
 def _token_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Cross-entropy over every position, -100 left out, as transformers' heads compute it."""
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE_INDEX)
 
 
 class _BertWithHead(BertPreTrainedModel):
-    """What the task models share: the encoder as `self.bert`, the head's init, the call."""
+    """What the task models share: the encoder as `self.bert` and the head's init."""
 
     hf_encoder_prefix = "bert."
     port_encoder_prefix = "bert."
+    keeps_sentence_transformers_files = False  # the encoder under a head is no sentence encoder
 
     def _init_head(self, *modules: nn.Module) -> None:
         # The encoder initialised itself; a head built on the meta device (from_pretrained)
@@ -101,17 +98,6 @@ class _BertWithHead(BertPreTrainedModel):
         if isinstance(module, BertLMPredictionHead):  # the output bias starts at zero, as in transformers
             with torch.no_grad():
                 module.bias.zero_()
-
-    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, hidden, attentions):
-        return self.bert(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_hidden_states=hidden,
-            output_attentions=attentions,
-        )
 
 
 class _TiedMLM(_BertWithHead):
@@ -159,19 +145,19 @@ class BertForMaskedLM(_TiedMLM):
         return_dict: bool | None = None,
     ) -> ModelOutput | tuple:
         """Inputs as for `BertModel.forward`; `labels` (B, T) token ids, -100 where no loss."""
-        outputs = self._encode(
+        outputs = self.bert(
             input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_attentions,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         logits = self.cls(outputs.last_hidden_state)  # (B, T, vocab)
         loss = _token_loss(logits, labels) if labels is not None else None
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return _finish(out, return_dict)
+        return out.returned(return_dict)
 
 
 class BertForPreTraining(_TiedMLM):
@@ -201,14 +187,14 @@ class BertForPreTraining(_TiedMLM):
         output_attentions: bool = False,
         return_dict: bool | None = None,
     ) -> ModelOutput | tuple:
-        outputs = self._encode(
+        outputs = self.bert(
             input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_attentions,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         prediction_logits, seq_relationship_logits = self.cls(outputs.last_hidden_state, outputs.pooler_output)
         loss = None
@@ -221,7 +207,7 @@ class BertForPreTraining(_TiedMLM):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return _finish(out, return_dict)
+        return out.returned(return_dict)
 
 
 class BertForTokenClassification(_BertWithHead):
@@ -251,19 +237,19 @@ class BertForTokenClassification(_BertWithHead):
         output_attentions: bool = False,
         return_dict: bool | None = None,
     ) -> ModelOutput | tuple:
-        outputs = self._encode(
+        outputs = self.bert(
             input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_attentions,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
         loss = _token_loss(logits, labels) if labels is not None else None
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return _finish(out, return_dict)
+        return out.returned(return_dict)
 
 
 class BertForQuestionAnswering(_BertWithHead):
@@ -293,14 +279,14 @@ class BertForQuestionAnswering(_BertWithHead):
         output_attentions: bool = False,
         return_dict: bool | None = None,
     ) -> ModelOutput | tuple:
-        outputs = self._encode(
+        outputs = self.bert(
             input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_attentions,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
@@ -322,4 +308,4 @@ class BertForQuestionAnswering(_BertWithHead):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return _finish(out, return_dict)
+        return out.returned(return_dict)

@@ -26,6 +26,11 @@ class ModelOutput(dict):
     def to_tuple(self) -> tuple[Any, ...]:
         return tuple(v for v in self.values() if v is not None)
 
+    def returned(self, return_dict: bool | None) -> ModelOutput | tuple[Any, ...]:
+        """What a forward returns: this output, or for `return_dict=False` the tuple of its
+        values that are not None, as transformers' models do."""
+        return self.to_tuple() if return_dict is False else self
+
 
 # torch.export and torch.onnx.export flatten a model's outputs with pytree, which knows
 # `dict` but not its subclasses; transformers registers its ModelOutput the same way.

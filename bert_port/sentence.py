@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from . import checkpoint as ckpt
-from .base_bert import ST_MODULES
+from .base_bert import LoaderArgumentError
 from .bert import BertModel
 from .tokenization import encode, load_tokenizer
 
@@ -47,7 +47,6 @@ _TRANSFORMER, _POOLING, _NORMALIZE = (
     "sentence_transformers.models.Normalize",
 )
 POOLING_FOLDER = "1_Pooling"
-ST_CONFIG = "sentence_bert_config.json"
 
 
 def pool(token_embeddings: Tensor, attention_mask: Tensor, modes: Sequence[str]) -> Tensor:
@@ -103,35 +102,66 @@ def _pooling_modes(config: dict, source: Path) -> tuple[str, ...]:
 
 
 def read_pipeline(directory: Path) -> dict:
-    """What a checkpoint folder's sentence-transformers files say: `pooling` (the modes),
-    `normalize`, `max_seq_length` and `do_lower_case`; defaults of sentence-transformers for
-    a plain BERT folder (mean pooling, no normalisation, the tokenizer's limit)."""
-    settings: dict = {"pooling": ("mean",), "normalize": False, "max_seq_length": None, "do_lower_case": False}
-    if (directory / ST_CONFIG).is_file():
-        config = _read_json(directory / ST_CONFIG)
+    """What a checkpoint folder's sentence-transformers files say: `transformer` (the folder of
+    the Transformer module, relative to `directory`: "" for today's layout, `0_BERT` or
+    `0_Transformer` in older ones), `pooling` (the modes), `normalize`, `max_seq_length` and
+    `do_lower_case` (from the Transformer folder's `sentence_bert_config.json`); defaults of
+    sentence-transformers for a plain BERT folder (mean pooling, no normalisation, the
+    tokenizer's limit)."""
+    settings: dict = {
+        "transformer": "",
+        "pooling": ("mean",),
+        "normalize": False,
+        "max_seq_length": None,
+        "do_lower_case": False,
+    }
+    if (directory / ckpt.ST_MODULES).is_file():
+        modules = ckpt.read_st_modules(directory)
+        types = [m.get("type") for m in modules]
+        unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
+        if unknown or types[0] != _TRANSFORMER:
+            raise ckpt.CheckpointError(
+                f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed "
+                "by Pooling and optionally Normalize. Use sentence-transformers for this model"
+            )
+        settings["transformer"] = _transformer_folder(directory, modules[0].get("path", ""))
+        for module in modules:
+            if module["type"] == _POOLING:
+                path = directory / module.get("path", POOLING_FOLDER) / "config.json"
+                settings["pooling"] = _pooling_modes(_read_json(path), path)
+        settings["normalize"] = _NORMALIZE in types
+    else:
+        log.info(
+            "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)",
+            directory,
+            ckpt.ST_MODULES,
+        )
+    st_config = directory / settings["transformer"] / ckpt.ST_CONFIG
+    if st_config.is_file():
+        config = _read_json(st_config)
         settings["max_seq_length"] = config.get("max_seq_length")
         settings["do_lower_case"] = bool(config.get("do_lower_case", False))
-    if not (directory / ST_MODULES).is_file():
-        log.info(
-            "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)", directory, ST_MODULES
-        )
-        return settings
-    modules = _read_json(directory / ST_MODULES)
-    types = [m.get("type") for m in modules] if isinstance(modules, list) else None
-    if not types or not all(isinstance(m, dict) for m in modules):
-        raise ckpt.CheckpointError(f"{directory / ST_MODULES} must be a JSON list of modules; restore it")
-    unknown = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
-    if unknown or types[0] != _TRANSFORMER:
-        raise ckpt.CheckpointError(
-            f"{directory / ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed by "
-            "Pooling and optionally Normalize. Use sentence-transformers for this model"
-        )
-    for module in modules:
-        if module["type"] == _POOLING:
-            path = directory / module.get("path", POOLING_FOLDER) / "config.json"
-            settings["pooling"] = _pooling_modes(_read_json(path), path)
-    settings["normalize"] = _NORMALIZE in types
     return settings
+
+
+def _transformer_folder(directory: Path, path: object) -> str:
+    """The Transformer module's folder as modules.json names it, checked to be a folder inside
+    `directory` ("" or "." for the directory itself)."""
+    if path in ("", ".", "./"):
+        return ""
+    name = path.rstrip("/") if isinstance(path, str) else ""
+    if name in ("", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} gives the Transformer module the path {path!r}, which is not a folder "
+            "inside the checkpoint; restore modules.json from the original checkpoint"
+        )
+    path = name
+    if not (directory / path).is_dir():
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} puts the Transformer module (the BERT weights) in {path}/, but "
+            f"{directory / path} does not exist; the checkpoint is incomplete: copy that folder from the original"
+        )
+    return path
 
 
 class SentenceEncoder(nn.Module):
@@ -184,12 +214,21 @@ class SentenceEncoder(nn.Module):
         **model_kwargs,
     ) -> SentenceEncoder:
         """Load a checkpoint (directory or model id in the HF cache, as `BertModel.from_pretrained`)
-        and follow its sentence-transformers files: pooling from `1_Pooling/config.json`,
-        normalisation when `modules.json` lists `Normalize`, `max_seq_length` from
-        `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
+        and follow its sentence-transformers files: the BERT weights from the Transformer
+        module's folder (the checkpoint itself, or `0_BERT/` in older folders), pooling from
+        `1_Pooling/config.json`, normalisation when `modules.json` lists `Normalize`,
+        `max_seq_length` from `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
         `BertModel.from_pretrained` (dtype, device, attn_implementation, ...)."""
-        model = BertModel.from_pretrained(path, **model_kwargs)
-        settings = read_pipeline(Path(model.source_dir))
+        try:
+            root, model = Path(path).expanduser(), None
+            if not root.is_dir():  # a model id or weights file: the folder it resolves to
+                model = BertModel.from_pretrained(path, **model_kwargs)
+                root = Path(model.source_dir)
+            settings = read_pipeline(root)
+            if settings["transformer"] or model is None:  # older folders keep BERT in 0_BERT/ or 0_Transformer/
+                model = BertModel.from_pretrained(root / settings["transformer"], **model_kwargs)
+        except LoaderArgumentError as exc:  # the caller called SentenceEncoder.from_pretrained
+            raise exc.named(f"{cls.__name__}.from_pretrained", ("pooling", "normalize", "max_seq_length")) from None
         return cls(
             model,
             load_tokenizer(model.source_dir),
@@ -211,19 +250,18 @@ class SentenceEncoder(nn.Module):
         return F.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
 
     @torch.inference_mode()
-    def encode(
-        self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool | None = None
-    ) -> Tensor:
+    def encode(self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool = False) -> Tensor:
         """Embeddings of `texts`: (N, D) on the model's device, or (D,) for one bare string, as
         sentence-transformers returns them. Texts longer than `max_seq_length` tokens are
-        truncated. `normalize_embeddings`: None follows the checkpoint (its Normalize module);
-        True or False forces unit length on or off. Batches are formed from texts of similar
-        length (fewer pads), and the result is in the order of `texts`."""
+        truncated. `normalize_embeddings`, as in sentence-transformers: True scales to unit
+        length on top of the pipeline; False (the default) adds nothing, and the checkpoint's
+        Normalize module still runs (for raw vectors, load with `normalize=False`). Batches are
+        formed from texts of similar length (fewer pads), and the result is in the order of `texts`."""
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        normalize = self.normalize if normalize_embeddings is None else normalize_embeddings
+        normalize = self.normalize or bool(normalize_embeddings)
         was_training = self.training
         self.eval()
         try:
@@ -264,9 +302,9 @@ class SentenceEncoder(nn.Module):
             stage.text("config.json", json.dumps(pooling, indent=2) + "\n")
         with ckpt.StagedWrite(out) as stage:
             stage.text(
-                ST_CONFIG,
+                ckpt.ST_CONFIG,
                 json.dumps({"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}, indent=2)
                 + "\n",
             )
-            stage.text(ST_MODULES, json.dumps(modules, indent=2) + "\n")
+            stage.text(ckpt.ST_MODULES, json.dumps(modules, indent=2) + "\n")
         return out

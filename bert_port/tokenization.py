@@ -107,10 +107,13 @@ class BatchEncoding(dict):
     """What `encode` returns: a dict of (B, T) tensors to call a model with (`model(**batch)`),
     plus transformers' `word_ids(i)` and `tokens(i)`, read from the tokenizer's encodings."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], encodings: list[Encoding] | None = None):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], encodings: list[Encoding] | None = None, pad_token: str = "[PAD]"
+    ):
         # `encodings` optional: torch's collate and pin_memory rebuild a mapping from its items.
         super().__init__(tensors)
         self.encodings = encodings if encodings is not None else []
+        self.pad_token = pad_token
 
     def word_ids(self, batch_index: int = 0) -> list[int | None]:
         """The word of the text each token of row `batch_index` comes from; None for special
@@ -119,10 +122,13 @@ class BatchEncoding(dict):
         return ids + [None] * (self["input_ids"].shape[1] - len(ids))
 
     def tokens(self, batch_index: int = 0) -> list[str]:
-        return list(self.encodings[batch_index].tokens)
+        """The tokens of row `batch_index`, padding included (`pad_token`), so that position t
+        is the token of `input_ids[batch_index, t]`, as `word_ids` and transformers give them."""
+        tokens = list(self.encodings[batch_index].tokens)
+        return tokens + [self.pad_token] * (self["input_ids"].shape[1] - len(tokens))
 
     def to(self, device: str | torch.device) -> BatchEncoding:
-        return BatchEncoding({k: v.to(device) for k, v in self.items()}, self.encodings)
+        return BatchEncoding({k: v.to(device) for k, v in self.items()}, self.encodings, self.pad_token)
 
 
 def _as_texts(texts: str | Sequence[str], name: str) -> list[str]:
@@ -188,4 +194,4 @@ def encode(
         out["attention_mask"][i, :n] = 1
         if return_offsets_mapping:
             out["offset_mapping"][i, :n] = torch.tensor(e.offsets).view(n, 2)
-    return BatchEncoding(out, encodings)
+    return BatchEncoding(out, encodings, pad_token=tokenizer.id_to_token(pad_id) or "[PAD]")

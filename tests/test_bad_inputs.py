@@ -295,7 +295,7 @@ def test_bert_base_legacy_file_errors_use_its_names(bert_base_layout, tmp_path):
     state = load_file(str(root / "safetensors" / "model.safetensors"))
     assert "bert.encoder.layer.3.attention.output.LayerNorm.gamma" in state  # the file's own spelling
     state["bert.encoder.layer.3.attention.output.LayerNorm.gamma"] = torch.ones(767)
-    del state["bert.encoder.layer.11.output.LayerNorm.beta"], state["bert.pooler.dense.bias"]
+    del state["bert.encoder.layer.11.output.LayerNorm.beta"], state["bert.embeddings.LayerNorm.beta"]
     _write(tmp_path, state, config=(root / "safetensors" / "config.json").read_text())
     with pytest.raises(CheckpointError) as err:
         BertModel.from_pretrained(tmp_path)
@@ -305,7 +305,7 @@ def test_bert_base_legacy_file_errors_use_its_names(bert_base_layout, tmp_path):
         "checkpoint (767,), model (768,)" in msg
     )
     assert "bert.encoder.layer.11.output.LayerNorm.beta -> bert_layers.11.out_layer_norm.bias: expected (768,)" in msg
-    assert "bert.pooler.dense.bias -> pooler_dense.bias: expected (768,)" in msg
+    assert "bert.embeddings.LayerNorm.beta -> embed_layer_norm.bias: expected (768,)" in msg
     assert "LayerNorm.weight" not in msg and "LayerNorm.bias" not in msg  # names this file does not use
 
 

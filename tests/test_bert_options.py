@@ -29,7 +29,7 @@ import pytest
 import torch
 from conftest import EXACT, REAL_SENTENCES, TINY, TOL, hf_model, random_batch
 
-from bert_port import BertConfig, BertLayer, BertModel, CheckpointError, encode, load_tokenizer
+from bert_port import BertConfig, BertLayer, BertModel, encode, load_tokenizer
 from bert_port.checkpoint import hf_to_port
 from bert_port.config import SUPPORTED_ACTIVATIONS
 from bert_port.utils import ACT2FN, get_activation, get_extended_attention_mask
@@ -322,11 +322,17 @@ def test_no_pooler_tiny(attn, caplog):
     _assert_same(actual.last_hidden_state, expected.last_hidden_state, attn)
 
 
-def test_pooler_missing_from_checkpoint_is_an_error():
+def test_pooler_missing_from_checkpoint_is_initialised():
+    """A state dict without a pooler (BertModel(add_pooling_layer=False)'s) loads into a model
+    with one: the pooler is initialised and reported, the rest is the checkpoint's, as
+    transformers loads such a file (tests/test_heads.py compares the report with its own)."""
     hf_bare = hf_model(TINY, add_pooling_layer=False)
-    ours = BertModel(BertConfig.from_dict(TINY))
-    with pytest.raises(CheckpointError, match=r"missing \(2\)[\s\S]*pooler_dense.weight"):
-        ours.load_hf_state_dict(hf_bare.state_dict())
+    ours = BertModel(BertConfig.from_dict(TINY, **EXACT))
+    assert ours.load_hf_state_dict(hf_bare.state_dict()) == ["pooler_dense.weight", "pooler_dense.bias"]
+    assert ours.pooler_dense.weight.std() > 0
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(**batch).last_hidden_state, _hf(hf_bare, **batch).last_hidden_state)
 
 
 # -- config options ---------------------------------------------------------------------

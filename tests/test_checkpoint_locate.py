@@ -178,6 +178,38 @@ print(json.dumps(out))
         assert str(ckpt.hf_cache_dir()[0]) == os.path.normpath(expected), case
 
 
+def test_cached_snapshot_without_weights_says_the_download_is_incomplete(tmp_path, monkeypatch, no_network):
+    """A snapshot with config.json but no weights is what an interrupted download leaves."""
+    _clear_hf_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    snapshot = _add_to_cache(tmp_path / "hub", "org/partial", {"config.json": tmp_path / "config.json"}, "f" * 40)
+    with pytest.raises(CheckpointError) as err:
+        BertModel.from_pretrained("org/partial")
+    msg = str(err.value)
+    assert f"the cached snapshot {snapshot} of 'org/partial' holds no weights" in msg
+    assert "download is incomplete: download the model again" in msg
+
+
+def test_transformers_cache_keywords_are_accepted(tmp_path, monkeypatch, no_network, minilm_path):
+    """`cache_dir` and `local_files_only`, as transformers takes them: the model is found in
+    that cache (no variable names it), and is the one transformers finds there."""
+    import transformers
+
+    _clear_hf_env(monkeypatch, tmp_path / "home")
+    monkeypatch.chdir(tmp_path)
+    files = {n: minilm_path / n for n in ("config.json", "model.safetensors")}
+    _add_to_cache(tmp_path / "elsewhere", "org/mini", files, "e" * 40)
+    kwargs = dict(cache_dir=str(tmp_path / "elsewhere"), local_files_only=True)
+    ours = BertModel.from_pretrained("org/mini", **kwargs, **EXACT)
+    ref = transformers.BertModel.from_pretrained("org/mini", **kwargs, attn_implementation="eager").eval()
+    batch = random_batch(ours.config.vocab_size)
+    assert_bitwise(outputs_on_real_tokens(ours, batch), outputs_on_real_tokens(ref, batch))
+    with pytest.raises(CheckpointError, match="the cache_dir argument"):
+        BertModel.from_pretrained("org/other", **kwargs)
+
+
 def test_snapshot_files_copied_not_linked(tmp_path, monkeypatch, no_network, minilm_path):
     """Saving a model loaded from the cache writes real files, not symlinks into the cache."""
     _clear_hf_env(monkeypatch, tmp_path)

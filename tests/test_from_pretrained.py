@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import EXACT, TINY, TOL, hf_model, random_batch
 
-from bert_port import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from bert_port import BertForMaskedLM, BertForSequenceClassification, BertModel
 
 
 @pytest.fixture
@@ -72,6 +72,35 @@ def test_config_overrides_and_unknown_keywords(tmp_path, minilm_path):
     assert not {"attn_implementation", "unpad_inputs", "device_map", "torch_dtype", "no_such_option"} & set(saved)
 
 
+def test_transformers_loader_keywords(minilm_path):
+    """transformers' usual loader keywords: `local_files_only` is taken (every load is local),
+    those the port does not support say so and why, not "check the spelling"; a
+    SentenceEncoder's errors name SentenceEncoder."""
+    import transformers
+
+    from bert_port import SentenceEncoder
+    from bert_port.base_bert import UNSUPPORTED_LOADER_ARGUMENTS
+
+    ours = BertModel.from_pretrained(minilm_path, local_files_only=True, **EXACT)
+    reference = transformers.BertModel.from_pretrained(
+        str(minilm_path), local_files_only=True, attn_implementation="eager"
+    ).eval()
+    batch = random_batch(ours.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch)[0], reference(**batch)[0], **TOL[torch.float32])
+    for name, value in [("token", "hf_x"), ("trust_remote_code", True), ("low_cpu_mem_usage", True)]:
+        with pytest.raises(TypeError) as err:
+            BertModel.from_pretrained(minilm_path, **{name: value})
+        message = str(err.value)
+        assert f"BertModel.from_pretrained() does not support {name}=: " in message
+        assert UNSUPPORTED_LOADER_ARGUMENTS[name] in message and "spelling" not in message
+    for kwargs in ({"force_download": True}, {"no_such_option": 3}):
+        with pytest.raises(TypeError) as err:
+            SentenceEncoder.from_pretrained(minilm_path, **kwargs)
+        assert str(err.value).startswith("SentenceEncoder.from_pretrained() ") and "BertModel" not in str(err.value)
+    assert "normalize" in str(err.value)  # the arguments it lists are SentenceEncoder's too
+
+
 def test_return_dict_false_and_use_cache(tmp_path):
     hf = hf_model(TINY)
     hf.save_pretrained(tmp_path)
@@ -85,9 +114,23 @@ def test_return_dict_false_and_use_cache(tmp_path):
     assert isinstance(actual, tuple) and len(actual) == len(expected) == 2
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
     assert len(with_hidden) == len(hf_hidden) == 3 and len(with_hidden[2]) == len(hf_hidden[2])
-    classifier = BertForSequenceClassification(BertConfig.from_dict(TINY)).eval()
-    out = classifier(**batch, labels=torch.tensor([0, 1, 0]), return_dict=False)
-    assert isinstance(out, tuple) and out[0].dim() == 0 and out[1].shape == (3, 2)
+    assert all(torch.equal(a, e) for a, e in zip(with_hidden[2], hf_hidden[2]))
+
+    # The classifier's tuple is transformers' tuple: (loss, logits[, hidden_states]), value for value.
+    hf_classifier = hf_model(TINY, "BertForSequenceClassification")
+    hf_classifier.save_pretrained(tmp_path / "classifier")
+    classifier = BertForSequenceClassification.from_pretrained(tmp_path / "classifier", **EXACT)
+    labels = torch.tensor([0, 1, 0])
+    for kwargs in ({"labels": labels}, {}, {"labels": labels, "output_hidden_states": True}):
+        with torch.no_grad():
+            out = classifier(**batch, **kwargs, return_dict=False)
+            reference = hf_classifier(**batch, **kwargs, return_dict=False)
+        assert isinstance(out, tuple) and len(out) == len(reference), kwargs
+        for a, e in zip(out, reference):
+            if isinstance(e, tuple):
+                assert len(a) == len(e) and all(torch.equal(x, y) for x, y in zip(a, e))
+            else:
+                assert torch.equal(a, e), kwargs
 
 
 def _grads(model, batch, seed=0) -> dict[str, torch.Tensor]:

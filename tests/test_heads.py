@@ -129,6 +129,28 @@ def test_untied_decoder_in_a_checkpoint_is_refused(tmp_path):
         BertForMaskedLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForPreTraining"])
+def test_output_bias_stored_only_as_the_decoder_bias_loads(tmp_path, name):
+    """A file with the tied copy `cls.predictions.decoder.bias` but not `cls.predictions.bias`:
+    the bias is read from the copy, as transformers reads it (not left at zero)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = _reference(name, TINY)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    del state["cls.predictions.bias"], state["cls.predictions.decoder.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, architectures=[name])))
+    reference = getattr(transformers, name).from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    ours = HEADS[name][0].from_pretrained(tmp_path, **EXACT)
+    assert ours.loading_info["newly_initialized"] == []
+    assert torch.equal(ours.cls.predictions.bias, reference.cls.predictions.bias)
+    assert ours.cls.predictions.decoder.bias is ours.cls.predictions.bias
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(ours(**batch)[0], reference(**batch)[0])
+
+
 def test_bert_base_layout_heads_load_into_each_model(bert_base_layout):
     """The bert-base-uncased layout: `bert.` prefixes, LayerNorm.gamma/beta, `cls.*` heads and
     the decoder written beside the embedding. transformers reads the same file as reference."""
@@ -177,6 +199,53 @@ def test_checkpoint_without_the_head_initialises_it_and_says_so(minilm_path, cap
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.cls.predictions.transform.dense.weight.std() > 0
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("cls_name", ["BertModel", "BertForSequenceClassification", "BertForPreTraining"])
+def test_checkpoint_without_a_pooler_loads_with_the_pooler_initialised(tmp_path, caplog, cls_name):
+    """A BertForMaskedLM save has no pooler; a model with one initialises it and says so, as
+    transformers does for the same file (its missing keys are ours, in HF names), and the rest
+    of the model computes what transformers' does."""
+    import transformers
+
+    import bert_port
+
+    _reference("BertForMaskedLM", TINY).save_pretrained(tmp_path)
+    hf, info = getattr(transformers, cls_name).from_pretrained(
+        str(tmp_path), output_loading_info=True, attn_implementation="eager"
+    )
+    with caplog.at_level(logging.WARNING):
+        ours = getattr(bert_port, cls_name).from_pretrained(tmp_path, **EXACT)
+    new = ours.loading_info["newly_initialized"]
+    encoder = ours.encoder
+    in_hf_names = checkpoint.port_to_hf(
+        {k.removeprefix(ours.port_encoder_prefix): None for k in new}, encoder_prefix=ours.hf_encoder_prefix
+    )
+    assert set(in_hf_names) == set(info["missing_keys"])
+    assert {"pooler_dense.weight", "pooler_dense.bias"} <= {k.removeprefix("bert.") for k in new}
+    assert "newly initialised" in caplog.text and "pooler_dense" in caplog.text
+    assert not any(p.is_meta for p in ours.parameters())
+    assert encoder.pooler_dense.weight.std() > 0 and torch.equal(
+        encoder.pooler_dense.bias.abs().sum(), torch.tensor(0.0)
+    )
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        expected = (hf.bert if cls_name != "BertModel" else hf).eval()(**batch).last_hidden_state
+        assert torch.equal(encoder(**batch).last_hidden_state, expected)
+
+
+def test_a_pooler_half_in_the_file_keeps_the_half_it_has(tmp_path):
+    """Only the missing tensor is initialised: the pooler weight in the file stays as read."""
+    from safetensors.torch import save_file
+
+    hf = _reference("BertModel", TINY)
+    state = {k: v.clone() for k, v in hf.state_dict().items() if k != "pooler.dense.bias"}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    ours = BertModel.from_pretrained(tmp_path)
+    assert ours.loading_info["newly_initialized"] == ["pooler_dense.bias"]
+    assert torch.equal(ours.pooler_dense.weight, hf.pooler.dense.weight)
+    assert torch.equal(ours.pooler_dense.bias, torch.zeros_like(ours.pooler_dense.bias))
 
 
 def test_heads_keep_their_names_in_the_key_table():

@@ -53,6 +53,33 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "added_tokens.json",
 )
+# sentence-transformers' files beside a checkpoint: the pipeline (`modules.json`), its
+# settings, and module folders named `{index}_{Module}` (`1_Pooling`, `2_Normalize`).
+ST_MODULES = "modules.json"
+ST_CONFIG = "sentence_bert_config.json"
+ST_FILES = (ST_MODULES, ST_CONFIG, "config_sentence_transformers.json")
+ST_FOLDER = re.compile(r"\d+_\w+")
+
+
+def read_st_modules(directory: str | os.PathLike) -> list[dict]:
+    """The modules a folder's `modules.json` lists (dicts with `type` and `path`), checked to
+    be a JSON list of objects; `CheckpointError` saying to restore it otherwise."""
+    path = Path(directory) / ST_MODULES
+    try:
+        modules = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({exc}); restore it from the original checkpoint") from None
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
+        raise CheckpointError(f"{path} must be a JSON list of modules; restore it from the original checkpoint")
+    return modules
+
+
+def st_module_folders(directory: str | os.PathLike) -> list[str]:
+    """The module folders `modules.json` in `directory` names (`1_Pooling`, ...) that exist:
+    plain relative names only, never a path out of the directory."""
+    directory = Path(directory)
+    folders = (m.get("path") for m in read_st_modules(directory))
+    return [f for f in folders if _plain_name(f) and "\\" not in f and (directory / f).is_dir()]
 
 
 # -----------------------------------------------------------------------------------------
@@ -256,10 +283,15 @@ JOURNAL = ".bert_port-commit.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+def _weights_name(name: str) -> bool:
+    return name in (SAFE_WEIGHTS, SAFE_INDEX) or bool(_SHARD_NAME.fullmatch(name))
+
+
 def _removable(name: str) -> bool:
-    """Names a save may delete: safetensors weights of another layout and tokenizer files.
-    A journal naming anything else is not ours, and is refused rather than obeyed."""
-    return name in (SAFE_WEIGHTS, SAFE_INDEX, *TOKENIZER_FILES) or bool(_SHARD_NAME.fullmatch(name))
+    """Names a save may delete: safetensors weights of another layout, tokenizer files, and
+    another model's sentence-transformers files and module folders. A journal naming
+    anything else is not ours, and is refused rather than obeyed."""
+    return _weights_name(name) or name in (*TOKENIZER_FILES, *ST_FILES) or bool(ST_FOLDER.fullmatch(name))
 
 
 def _plain_name(name: object) -> bool:
@@ -370,7 +402,11 @@ def _apply_journal(directory: Path) -> bool:
         if (directory / tmp).is_file():
             os.replace(directory / tmp, directory / target)
     for name in removals:
-        (directory / name).unlink(missing_ok=True)
+        target = directory / name
+        if target.is_dir() and not target.is_symlink():  # a sentence-transformers module folder
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
     _fsync_dir(directory)
     journal.unlink()
     return True
@@ -470,9 +506,11 @@ class StagedWrite:
 
     def remove(self, name: str) -> None:
         """Delete `name` from the directory as part of the commit (a file of the previous
-        save that the new one does not replace)."""
+        save that the new one does not replace, or a sentence-transformers module folder)."""
         if not _removable(name):
-            raise ValueError(f"{name} is not a weights or tokenizer file; a save does not delete it")
+            raise ValueError(
+                f"{name} is not a weights, tokenizer or sentence-transformers file; a save does not delete it"
+            )
         if (self.directory / name) not in self._staged and name not in self._remove:
             self._remove.append(name)
 
@@ -604,7 +642,7 @@ def stale_weights(directory: Path, keep: Iterable[str]) -> list[str]:
     stale = [
         entry.name
         for entry in os.scandir(directory)
-        if entry.name not in keep and entry.is_file() and _removable(entry.name) and entry.name not in TOKENIZER_FILES
+        if entry.name not in keep and entry.is_file() and _weights_name(entry.name)
     ]
     leftovers = [n for n in (PT_WEIGHTS, PT_INDEX) if (Path(directory) / n).is_file()]
     if leftovers:

@@ -64,7 +64,7 @@ def _is_ref_name(revision: str) -> bool:
     return not revision.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
-def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
+def find_in_hf_cache(model_id: str, revision: str = "main", cache_dir: str | os.PathLike | None = None) -> Path:
     """The snapshot directory of `model_id` in the local HF cache, without any network.
 
     The lookup is huggingface_hub's `try_to_load_from_cache` (a ref names a commit, the
@@ -72,10 +72,14 @@ def find_in_hf_cache(model_id: str, revision: str = "main") -> Path:
     `snapshot_download(local_files_only=True)`: it joins a ref's content to the snapshots
     folder unchecked, so a ref holding `../../..` would lead out of the cache. When nothing
     is found, the cache is inspected only to say why: `CheckpointError` names the folders
-    searched, the variable that chose the cache, and the refs and snapshots there."""
+    searched, the variable that chose the cache, and the refs and snapshots there.
+    `cache_dir` (transformers' argument of that name) replaces the cache the environment names."""
     from huggingface_hub import try_to_load_from_cache
 
-    cache, rule = hf_cache_dir()
+    if cache_dir is not None:
+        cache, rule = Path(cache_dir).expanduser(), "the cache_dir argument"
+    else:
+        cache, rule = hf_cache_dir()
     # A revision is a ref name (`main`, `refs/pr/1`) or a commit hash: neither may lead out of
     # the repo's folder (huggingface_hub would look for it, harmlessly, but say nothing).
     if not _is_ref_name(revision):
@@ -140,26 +144,31 @@ def _why_not_in_cache(model_id: str, revision: str, cache: Path, rule: str) -> C
 
 
 def locate_checkpoint(
-    path: str | os.PathLike, config_file: str | os.PathLike | None = None, revision: str = "main"
+    path: str | os.PathLike,
+    config_file: str | os.PathLike | None = None,
+    revision: str = "main",
+    cache_dir: str | os.PathLike | None = None,
 ) -> CheckpointFiles:
     """Resolve a directory, a weights file, or a model id from the HF cache to files.
     A string that is not an existing path and looks like a hub id (`name` or `org/name`)
-    is looked up in the cache; `revision` picks the ref (or commit) there."""
+    is looked up in the cache (`cache_dir`, else the one the environment names); `revision`
+    picks the ref (or commit) there."""
     try:
-        return _locate_checkpoint(path, config_file, revision)
+        return _locate_checkpoint(path, config_file, revision, cache_dir)
     except OSError as exc:  # a folder or file we may not read (permissions), a name too long, ...
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
 def _locate_checkpoint(
-    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str
+    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str, cache_dir: str | os.PathLike | None
 ) -> CheckpointFiles:
     if isinstance(path, str) and "\0" in path:
         raise CheckpointError(f"no checkpoint at {path!r}: a path cannot hold a NUL character")
     p = Path(path).expanduser()
+    cached = False
     if not p.exists():
         if isinstance(path, str) and is_repo_id(path):
-            p = find_in_hf_cache(path, revision)
+            p, cached = find_in_hf_cache(path, revision, cache_dir), True
         else:
             raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
     recover(p if p.is_dir() else p.parent)  # a save killed mid-commit is finished first
@@ -167,7 +176,12 @@ def _locate_checkpoint(
         weights = next((p / name for name in WEIGHT_NAMES if (p / name).is_file()), None)
         if weights is None:
             present = sorted(x.name for x in p.iterdir())[:20]
-            raise CheckpointError(f"{p} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}")
+            where = f"the cached snapshot {p} of {str(path)!r}" if cached else str(p)
+            # A cache snapshot is what a download left: without weights it is an incomplete one.
+            fix = " The download is incomplete: download the model again" if cached else ""
+            raise CheckpointError(
+                f"{where} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}.{fix}"
+            )
         directory = p
     else:
         weights, directory = p, p.parent

@@ -86,7 +86,6 @@ def _names(keys: list[str], limit: int = 8) -> str:
 def convert(args: argparse.Namespace) -> int:
     from bert_port import BertConfig
     from bert_port import checkpoint as ckpt
-    from bert_port.base_bert import ST_FILES, sentence_transformers_folders
 
     dst = Path(args.dst).expanduser()
     files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
@@ -144,9 +143,9 @@ def convert(args: argparse.Namespace) -> int:
     if info["newly_initialized"]:
         print(f"new:       {_names(info['newly_initialized'])} (initialised afresh: not in the source)")
     print(f"written:   {dst}: {', '.join(out_files)}")
-    kept = [n for n in ST_FILES if (dst / n).is_file()]
-    if kept:  # a sentence-transformers folder stays one: SentenceTransformer(DST) pools as SRC did
-        print(f"kept:      sentence-transformers files {', '.join(kept + sentence_transformers_folders(dst))}")
+    st_files, st_folders = model.sentence_transformers_files()
+    if st_files:  # a sentence-transformers folder stays one: SentenceTransformer(DST) pools as SRC did
+        print(f"copied:    sentence-transformers files from SRC: {', '.join(st_files + [f + '/' for f in st_folders])}")
     print(f"tensors:   {len(saved)}, {ckpt.human_bytes(nbytes)}, {str(model.dtype).removeprefix('torch.')}")
     if not same:
         print(f"FAILED: {written.weights_file} does not read back identically to what was saved", file=sys.stderr)
