@@ -52,14 +52,18 @@ def packed_sdpa_attention(
     H = three_h // 3
     if qkv.is_cuda or (torch.is_grad_enabled() and qkv.requires_grad):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    q, k, v = qkv.view(N, 3, num_heads, H // num_heads).unbind(1)  # each (N, nh, hs), views
+    # Heads first once for the whole batch, so that each sequence is one slice per tensor;
+    # 4-D, as the CPU flash kernel wants (3-D inputs fall back to the slower math path).
+    q, k, v = qkv.view(1, N, 3, num_heads, H // num_heads).permute(2, 0, 3, 1, 4).unbind(0)  # (1, nh, N, hs) views
     contexts = []
     for start, length in zip(packing.starts, packing.seqlens):
         rows = slice(start, start + length)
-        q_s, k_s, v_s = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # each (1, nh, L, hs)
-        context = F.scaled_dot_product_attention(q_s, k_s, v_s, dropout_p=dropout_p, scale=scale)
-        contexts.append(context[0].transpose(0, 1).reshape(length, H))  # (L, H)
-    return torch.cat(contexts)  # (N, H)
+        contexts.append(
+            F.scaled_dot_product_attention(
+                q[:, :, rows], k[:, :, rows], v[:, :, rows], dropout_p=dropout_p, scale=scale
+            )
+        )
+    return torch.cat(contexts, dim=2)[0].transpose(0, 1).reshape(N, H)  # (nh, N, hs) -> (N, H)
 
 
 def _padded_sdpa_of_packed(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float) -> Tensor:
