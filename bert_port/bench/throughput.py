@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bert_port.tolerance import Tolerance, tolerance_for
+
 from .harness import CONFIGS, config_override, interleave, matmul_gflops, model_flops, mr_batches, ratio, sync
 from .peers import peer_rows
 
@@ -54,17 +56,24 @@ def model_forward(model, autocast: torch.dtype | None = None, **config) -> Forwa
     return forward
 
 
-def real_token_diff(rows: dict[str, Row], reference: Forward, batches: list[dict[str, Tensor]]) -> dict[str, float]:
-    """Max abs difference of the last hidden state on real tokens, each row vs `reference`,
-    over all batches. Rows may return fewer positions than the batch has (CTranslate2)."""
-    worst = dict.fromkeys(rows, 0.0)
+def real_token_diff(
+    rows: dict[str, Row], reference: Forward, batches: list[dict[str, Tensor]], tolerance: Tolerance
+) -> dict[str, tuple[float, float]]:
+    """Per row, over all batches, on the real tokens of the last hidden state against
+    `reference`: the max abs difference, and the largest share of `tolerance` an element
+    uses, |d| / (atol + rtol |ref|) (at most 1 passes). Rows may return fewer positions than
+    the batch has (CTranslate2)."""
+    worst = dict.fromkeys(rows, (0.0, 0.0))
     for batch in batches:
         expected = reference(batch).float().cpu()
         real = batch["attention_mask"].bool().cpu()
         for name, row in rows.items():
             got = row.forward(batch).float().cpu()
             T = got.shape[1]
-            worst[name] = max(worst[name], (got - expected[:, :T]).abs()[real[:, :T]].max().item())
+            ref = expected[:, :T][real[:, :T]]
+            diff = (got[real[:, :T]] - ref).abs()
+            use = diff / (tolerance.atol + tolerance.rtol * ref.abs())
+            worst[name] = (max(worst[name][0], diff.max().item()), max(worst[name][1], use.max().item()))
     return worst
 
 
@@ -108,7 +117,8 @@ def time_rows(
     """Interleave `rows` over `batches`, print the table, return every figure."""
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     flops = sum(model_flops(config, b["attention_mask"]) for b in batches)
-    diffs = real_token_diff(rows, reference, batches)
+    tolerance = tolerance_for(matmul_dtype)
+    diffs = real_token_diff(rows, reference, batches, tolerance)
     timed = {name: row.forward for name, row in rows.items()}
     shape = (max(256, int(batches[0]["attention_mask"].sum())), config.hidden_size, config.intermediate_size)
     timed["matmul"], probe_flops = roofline_probe(device, matmul_dtype, shape, reference, batches[0])
@@ -126,7 +136,8 @@ def time_rows(
             "vs_baseline": ratio(times[rows[name].baseline], ts),
             "vs_transformers_fp32": ratio(base, ts) if base else None,
             "roofline_fraction": statistics.median(a / m for a, m in zip(achieved, matmul)),
-            "max_abs_diff_vs_transformers_fp32": diffs[name],
+            "max_abs_diff_vs_transformers_fp32": diffs[name][0],
+            "tolerance_use": diffs[name][1],
         }
     report.line()
     report.line(
@@ -142,6 +153,7 @@ def time_rows(
             "x transformers fp32",
             "% matmul roofline",
             "max abs diff vs transformers fp32, real tokens",
+            f"share of the {str(matmul_dtype)[6:]} tolerance used",
         ),
         (
             (
@@ -152,6 +164,7 @@ def time_rows(
                 "" if r["vs_transformers_fp32"] is None else f"{r['vs_transformers_fp32']:.2f}",
                 f"{100 * r['roofline_fraction']:.0f}%",
                 f"{r['max_abs_diff_vs_transformers_fp32']:.1e}",
+                f"{r['tolerance_use']:.2f}",
             )
             for name, r in figures.items()
         ),
