@@ -70,8 +70,9 @@ def section_load(quick: bool, reps: int, report) -> dict[str, Any]:
 
     reps = 1 if quick else reps
     report.section(
-        f"checkpoint load (fresh process per load, {reps} alternating repetitions after one warm-up each; "
-        "page cache warm)"
+        f"checkpoint load (fresh process per load, {reps} alternating repetitions"
+        + ("" if quick else " after one warm-up each; page cache warm")
+        + ")"
     )
     checkpoints = {"all-MiniLM-L6-v2": str(minilm_dir())}
     result = {}
@@ -80,10 +81,11 @@ def section_load(quick: bool, reps: int, report) -> dict[str, Any]:
             checkpoints["bert-base-uncased (random, safetensors)"] = _write_bert_base(Path(tmp))
         for name, path in checkpoints.items():
             runs: dict[str, list[dict]] = {"port": [], "transformers": []}
-            for i in progress(range(reps + 1), f"load {name}"):
+            warmup = 0 if quick else 1  # a round that warms the page cache, not counted
+            for i in progress(range(warmup + reps), f"load {name}"):
                 for kind, rows in runs.items():
                     row = run_module("load", kind, path)
-                    if i:  # the first round warms the page cache
+                    if i >= warmup:
                         rows.append(row)
             result[name] = {kind: _summary(rows) for kind, rows in runs.items()}
     report.table(
