@@ -58,12 +58,11 @@ def packed_sdpa_attention(
     contexts = []
     for start, length in zip(packing.starts, packing.seqlens):
         rows = slice(start, start + length)
-        contexts.append(
-            F.scaled_dot_product_attention(
-                q[:, :, rows], k[:, :, rows], v[:, :, rows], dropout_p=dropout_p, scale=scale
-            )
-        )
-    return torch.cat(contexts, dim=2)[0].transpose(0, 1).reshape(N, H)  # (nh, N, hs) -> (N, H)
+        context = F.scaled_dot_product_attention(
+            q[:, :, rows], k[:, :, rows], v[:, :, rows], dropout_p=dropout_p, scale=scale
+        )  # (1, nh, L, hs), stored token-major by the CPU kernel
+        contexts.append(context[0].transpose(0, 1))  # (L, nh, hs)
+    return torch.cat(contexts).view(N, H)  # one copy, straight into the (N, H) rows
 
 
 def _padded_sdpa_of_packed(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float) -> Tensor:
