@@ -9,6 +9,8 @@ with a line saying which `pip install` brings it; the bench goes on without it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -65,7 +67,8 @@ def onnxruntime_rows(reference, workdir: Path, device: torch.device, threads: in
         torch.export.Dim("batch"),
         torch.export.Dim("seq", max=reference.config.max_position_embeddings),
     )
-    with torch.no_grad():
+    # The exporter prints its progress on stdout, which holds the bench's tables.
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         program = torch.onnx.export(
             reference,
             tuple(example[n] for n in NAMES),
