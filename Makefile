@@ -70,8 +70,10 @@ wheel-check: setup
 finetune: setup
 	$(VENV)/bin/bert-port-finetune --config finetune_mr_minilm
 
+# The tables it prints are also written to BENCH_MD, from which the README's speed table is taken.
+BENCH_MD ?= build/bench.md
 bench: setup
-	$(PY) scripts/benchmark.py
+	$(PY) scripts/benchmark.py --markdown $(BENCH_MD) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import sdpa_attention, varlen_attention, varlen_supported
+from .attention import packed_sdpa_attention, sdpa_attention, varlen_attention, varlen_supported
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
 from .outputs import ModelOutput
@@ -125,12 +125,8 @@ class BertSelfAttention(nn.Module):
             qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
             if implementation == "varlen" and varlen_supported(qkv, dropout_p):
                 return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
-            # Otherwise transformers' SDPA kernel, on the padded layout (pad rows are zeros).
-            B, T = packing.batch_size, packing.seq_len
-            qkv = pad(qkv, packing).view(B, T, 3, self.num_attention_heads, self.attention_head_size)
-            query_layer, key_layer, value_layer = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (B, nh, T, hs)
-            context = sdpa_attention(query_layer, key_layer, value_layer, packing.key_mask, self.scaling, dropout_p)
-            return unpad(context, packing), None  # (N, H)
+            # Otherwise SDPA on each sequence's real tokens (attention.py says why).
+            return packed_sdpa_attention(qkv, packing, self.num_attention_heads, self.scaling, dropout_p), None
 
         # Query, key, value in transformers' order: the forward does not care, but autograd
         # sums the three gradients into `hidden_states` in reverse order of creation, and this
@@ -267,7 +263,7 @@ class BertModel(BertPreTrainedModel):
         packing = self.packing_for(attention_mask, output_attentions)  # None: the padded path
         if packing is not None:
             hidden_states = unpad(hidden_states, packing)  # (N, H)
-            extended_mask = None  # the layers mask packed rows with `packing.key_mask`
+            extended_mask = None  # packed rows attend within their own sequence (`packing`)
         else:
             extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
         all_hidden = [hidden_states] if output_hidden_states else None

@@ -10,6 +10,7 @@ Shapes: B batch, T padded length, N real tokens.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,11 @@ class Packing:
     @property
     def max_seqlen(self) -> int:
         return max(self.seqlens)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The row where each sequence starts in the packed (N, ...) tensor, on the host."""
+        return tuple(itertools.accumulate(self.seqlens[:-1], initial=0))
 
 
 def pack(attention_mask: Tensor) -> Packing:

@@ -1,4 +1,5 @@
-"""Speed of bert_port against transformers.BertModel, side by side (see `--help`)."""
+"""Speed of bert_port against transformers.BertModel and the peers (CTranslate2, ONNX Runtime,
+sentence-transformers), side by side (see `--help`; the sections live in `bert_port/bench/`)."""
 
 import sys
 

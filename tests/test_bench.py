@@ -1,25 +1,36 @@
-"""The benchmark's pieces (not its timings): FLOP counting, the MR reader, argument checks,
-and that neither the model nor the benchmark module imports transformers."""
+"""The benchmark's pieces (not its timings): FLOP counting, the MR reader, native-bf16
+detection, argument checks, a peer that is not installed, the fresh-process sections, and
+that `--quick` runs and writes its markdown table."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from bert_port import BertConfig
+from bert_port.bench.harness import Report, config_override, model_flops, mr_texts, native_bf16, run_module
+from bert_port.cli.bench import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_model_and_bench_do_not_import_transformers():
-    code = "import sys, bert_port, bert_port.cli.bench; print('transformers' in sys.modules)"
+    code = (
+        "import sys, bert_port, bert_port.cli.bench, bert_port.bench.throughput, bert_port.bench.peers, "
+        "bert_port.bench.load, bert_port.bench.import_time, bert_port.bench.finetune, bert_port.bench.profiling; "
+        "print('transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_model_flops_counts_real_tokens(tiny_config):
-    from bert_port.cli.bench import model_flops
-
     config = BertConfig.from_dict(tiny_config)
     H, inter, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -29,29 +40,91 @@ def test_model_flops_counts_real_tokens(tiny_config):
     assert model_flops(config, torch.ones(2, 4)) > expected
 
 
-def test_mr_texts_are_read_as_utf8():
-    from bert_port.cli.bench import read_mr_labelled, read_mr_texts
+def test_mr_texts_come_from_the_project_reader():
+    from bert_port.data import load_mr
 
-    texts = read_mr_texts()
-    assert len(texts) == 10605
+    texts = mr_texts()
+    assert texts == load_mr().texts and len(texts) == 10566
     assert texts[0].startswith("The Rock is destined")
     assert any("Almodóvar" in t for t in texts)
-    labelled, labels = read_mr_labelled()
-    assert labelled == texts and set(labels) == {0, 1}
 
 
-def test_bench_refuses_unknown_section(capsys):
-    from bert_port.cli.bench import main
+def test_native_bf16_is_read_from_the_cpu_flags():
+    cpu = torch.device("cpu")
+    assert native_bf16(cpu, {"avx2", "avx512f", "avx512_bf16"}) == "avx512_bf16"
+    assert native_bf16(cpu, {"amx_bf16", "amx_tile", "avx512_bf16"}) == "amx_bf16, avx512_bf16"
+    assert native_bf16(cpu, {"avx2", "fma"}) is None
 
-    assert main(["--skip", "real,nope"]) == 2
-    assert "unknown section(s) ['nope']" in capsys.readouterr().err
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--skip", "real,nope"], "unknown section(s) ['nope']"),
+        (["--peers", "ctranslate2,tensorrt"], "unknown peer(s) ['tensorrt']"),
+        (["--reps", "0"], "--reps must be at least 1"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+    ],
+)
+def test_bench_refuses_bad_arguments(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_refuses_cuda_without_a_gpu(capsys):
+    assert main(["--device", "cuda"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
 def test_config_override_restores_the_config(tiny_config):
     from bert_port import BertModel
-    from bert_port.cli.bench import config_override
 
     model = BertModel(BertConfig.from_dict(tiny_config))
     with config_override(model, unpad_inputs=False, attn_implementation="varlen"):
         assert not model.config.unpad_inputs and model.bert_layers[0].config.attn_implementation == "varlen"
     assert model.config.unpad_inputs and model.config.attn_implementation == "sdpa"
+
+
+def test_report_writes_what_it_printed(tmp_path, capsys):
+    report = Report()
+    report.section("title")
+    report.table(("a", "b"), [(1, "x")])
+    path = report.write(tmp_path / "out" / "bench.md")
+    assert path.read_text() == capsys.readouterr().out == "\n## title\n| a | b |\n|---|---|\n| 1 | x |\n"
+
+
+def test_load_section_measures_in_a_fresh_process(minilm_path):
+    row = run_module("load", "port", str(minilm_path))
+    assert row["params"] == 22713216 and row["peak_rss_kib"] >= row["rss_before_kib"] > 0 and row["load_s"] > 0
+
+
+def test_import_probe_keeps_transformers_out():
+    from bert_port.bench.import_time import probe
+
+    row = probe("port")
+    assert row["transformers_imported"] is False and row["torch_s"] > 0
+
+
+def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
+    # A ctranslate2 that fails to import, as a broken or absent install does: the bench
+    # reports it with the pip install that brings it and goes on with the other rows.
+    shim = tmp_path / "shim" / "ctranslate2"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('no ctranslate2 in this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    md, js = tmp_path / "bench.md", tmp_path / "bench.json"
+    argv = ["--quick", "--skip", "import,roofline,fixed,load,finetune", "--peers", "ctranslate2", "--bf16", "off"]
+    out = subprocess.run(
+        [sys.executable, "-m", "bert_port.cli.bench", *argv, "--markdown", str(md), "--json", str(js)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = md.read_text()
+    assert "ctranslate2: not installed (ctranslate2): pip install 'bert-port[bench]'" in table
+    assert "| port |" in table and "| transformers (sdpa), fp32 |" in table and "Machine:" in table
+    rows = json.loads(js.read_text())["real"]["fp32"]["rows"]
+    assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)"}
+    assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0

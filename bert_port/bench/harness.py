@@ -1,0 +1,227 @@
+"""The benchmark's harness: the report (stdout and a markdown file), interleaved timing,
+the machine, FLOP counts, inputs, and running a section in a fresh process.
+
+Every timed section interleaves its variants call by call, in a shuffled order, for several
+repetitions; rows report the median time of a repetition and the median of the
+per-repetition ratios, so that load from other processes hits every variant alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data
+
+
+class Report:
+    """What the bench prints, kept as markdown too, so that `--markdown PATH` writes the
+    same tables the terminal showed."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def section(self, title: str) -> None:
+        self.line()
+        self.line(f"## {title}")
+
+    def table(self, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        self.line("| " + " | ".join(header) + " |")
+        self.line("|" + "---|" * len(header))
+        for row in rows:
+            self.line("| " + " | ".join(str(c) for c in row) + " |")
+
+    def write(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        return path
+
+
+def progress(iterable: Iterable, desc: str, total: int | None = None):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleave(
+    variants: dict[str, Callable[[Any], Any]],
+    inputs: list,
+    reps: int,
+    device: torch.device,
+    desc: str,
+    seed: int = 0,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Seconds per repetition (one pass over `inputs`) of every variant. Within a
+    repetition the variants take turns on each input, in a shuffled order."""
+    rng = random.Random(seed)
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn(inputs[0])
+    times = {name: [0.0] * reps for name in variants}
+    for step in progress(range(reps * len(inputs)), desc):
+        rep, item = divmod(step, len(inputs))
+        order = list(variants)
+        rng.shuffle(order)
+        for name in order:
+            sync(device)
+            t = time.perf_counter()
+            variants[name](inputs[item])
+            sync(device)
+            times[name][rep] += time.perf_counter() - t
+    return times
+
+
+def ratio(reference: list[float], times: list[float]) -> float:
+    """Median over repetitions of reference time / time (> 1: faster than the reference)."""
+    return statistics.median(r / t for r, t in zip(reference, times))
+
+
+@contextlib.contextmanager
+def config_override(model, **fields):
+    """The model with some config fields changed for the duration, e.g. `unpad_inputs=False`
+    (the padded path, transformers' own maths) or `attn_implementation="varlen"`."""
+    config = model.config  # shared by every module, which reads it at each call
+    old = {name: getattr(config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(config, name, value)
+    try:
+        yield model
+    finally:
+        for name, value in old.items():
+            setattr(config, name, value)
+
+
+# -- the machine --------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bf16(device: torch.device, flags: set[str] | None = None) -> str | None:
+    """What gives this device native bf16 matmuls (a CPU flag, or the GPU), None if nothing:
+    without them torch emulates bf16 far slower than fp32, and bf16 rows mean nothing."""
+    if device.type == "cuda":
+        return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
+    flags = cpu_flags() if flags is None else flags
+    found = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    return ", ".join(found) or None
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    flags = cpu_flags()
+    info = {
+        "cpu": cpu,
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "amx"))),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16(device, flags),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "loadavg_start": os.getloadavg(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+# -- FLOPs --------------------------------------------------------------------------------
+
+
+def model_flops(config, attention_mask: Tensor, pooler: bool = True) -> float:
+    """Multiply-adds x 2 of the encoder (and pooler) on the real tokens of one batch:
+    the dense layers per token, attention per pair of real tokens in a sequence."""
+    H, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    lens = attention_mask.bool().sum(1).double()
+    n = float(lens.sum())
+    per_layer = n * 2 * (4 * H * H + 2 * H * inter) + 4 * H * float((lens**2).sum())
+    return layers * per_layer + (2 * H * H * attention_mask.shape[0] if pooler else 0.0)
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int, reps: int = 3) -> float:
+    """Best of `reps` GFLOP/s of an n x n x n matmul."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+def mr_texts() -> list[str]:
+    """The MR movie-review sentences, through the project's reader (`bert_port.data`)."""
+    from bert_port.data import load_mr
+
+    return load_mr().texts
+
+
+def mr_batches(tokenizer, n: int, batch_size: int, seed: int, device: torch.device) -> list[dict[str, Tensor]]:
+    """`n` batches of `batch_size` MR sentences drawn at random, padded to each batch's longest."""
+    from bert_port import encode
+
+    texts = mr_texts()
+    rng = random.Random(seed)
+    return [{k: v.to(device) for k, v in encode(tokenizer, rng.sample(texts, batch_size)).items()} for _ in range(n)]
+
+
+# -- fresh processes ----------------------------------------------------------------------
+
+
+def run_module(module: str, *args: str) -> dict[str, Any]:
+    """Run `python -m bert_port.bench.<module> args...` in a fresh process and return the
+    JSON object it prints last."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"bert_port.bench.{module}", *args], capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        raise RuntimeError(f"python -m bert_port.bench.{module} {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
