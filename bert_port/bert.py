@@ -342,4 +342,4 @@ class BertModel(BertPreTrainedModel):
             hidden_states=hidden_states,
             attentions=attentions,
         )
-        return out.to_tuple() if return_dict is False else out
+        return out.returned(return_dict)

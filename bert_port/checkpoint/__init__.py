@@ -11,9 +11,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 from . import files, keys, locate
 from .errors import CheckpointError, short_list
 from .files import (
@@ -32,7 +29,6 @@ from .files import (
     WEIGHT_NAMES,
     DirectoryLock,
     StagedWrite,
-    _apply_journal,  # noqa: F401  tests patch it here (see _Package)
     atomic_write,
     human_bytes,
     non_finite,
@@ -121,18 +117,3 @@ __all__ = [
     "tidy",
     "write_weights",
 ]
-
-
-class _Package(types.ModuleType):
-    """Setting a re-exported name here (`monkeypatch.setattr(ckpt, "_apply_journal", f)`, as
-    tests written against the one-module checkpoint.py do) sets it in the layer that defines
-    it too, where the code that uses it looks it up."""
-
-    def __setattr__(self, name: str, value) -> None:
-        for layer in (keys, files, locate):
-            if name in vars(layer):
-                setattr(layer, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
