@@ -107,8 +107,10 @@ def test_broken_port_fails_at_the_perturbed_layer(minilm_path, hf_reference, sma
     assert row.status == "FAIL"
     assert row.first_failure.name == f"layer {layer}"
     sites = {s.name: s for s in row.sites}
+    # Within the policy before the perturbed layer (not bitwise: the default path packs the
+    # batch and runs attention per sequence, other kernels than transformers' padded SDPA).
     for earlier in ["embeddings"] + [f"layer {i}" for i in range(layer)]:
-        assert sites[earlier].passed and sites[earlier].ours.max_abs == 0.0
+        assert sites[earlier].passed and sites[earlier].ours.worst_ratio < 1
     assert sites[f"layer {layer}"].ours.worst_ratio > 1
     assert "first failing site: layer" in parity.format_report(parity.Report([row]))
 
