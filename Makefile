@@ -64,7 +64,10 @@ wheel-check: setup
 	  assert (where.parent / "configs" / "bert-base-uncased.json").is_file(), "configs/ missing from the wheel"; \
 	  print("bert_port from", where.parent)' "$$tmp/site"; \
 	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
-	$$py -m bert_port.cli.finetune --help > /dev/null; \
+	$$py "$$tmp/site/bin/bert-port-bench" --quick --threads 2 --markdown "$$tmp/bench.md"; \
+	$$py "$$tmp/site/bin/bert-port-finetune" --config finetune_sms_minilm --max-steps 4 --eval-steps 2 \
+	  --output-dir "$$tmp/run"; \
+	test -s "$$tmp/run/metrics.json"; \
 	echo "wheel-check: OK"
 
 finetune: setup
