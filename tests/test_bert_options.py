@@ -424,6 +424,8 @@ def test_fp16_all_pad_row_never_nan(attn):
     others = torch.tensor([True, False, True])
     assert torch.equal(actual[others], expected[others])
     if attn == "eager":
+        # Outside the policy's table: the fully masked fp16 row against our own fp32 row, so fp16's
+        # rounding of values of order 1 (about 1e-3 each, summed over the layers) sets the bar.
         torch.testing.assert_close(actual[1].float(), reference32[1], atol=1e-2, rtol=0)
     else:  # SDPA gives a fully masked row zero attention output, in both models
         assert torch.equal(actual[1], expected[1])
@@ -453,6 +455,8 @@ def test_gradient_parity(attn, causal):
             assert grad is None and expected[name] is None
             continue
         assert grad.abs().sum() > 0, name
+        # Gradients, not forward outputs (the policy's table): sums in another order over the
+        # batch leave relative differences of about 1e-6; atol covers gradients near zero.
         torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=1e-5, msg=name)
 
 
@@ -485,6 +489,8 @@ def test_decoder_default_kv_cache_differs_by_an_ulp():
     with torch.no_grad():
         cached, uncached, actual = hf(**batch), _hf(hf, **batch), ours(**batch)
     assert torch.equal(actual.last_hidden_state, uncached.last_hidden_state)
+    # transformers' KV-cache layout against itself without the cache differs by an ulp or so of
+    # values of order 1; 1e-6 is a few of those ulps, far below the policy's 1e-5.
     torch.testing.assert_close(actual.last_hidden_state, cached.last_hidden_state, atol=1e-6, rtol=0)
 
 
@@ -677,6 +683,8 @@ def test_real_gradient_parity(real):
     expected = hf_to_port(grads[0]).state_dict
     assert expected.keys() == grads[1].keys()
     for name, grad in grads[1].items():
+        # Gradients, not forward outputs (the policy's table): sums in another order over the
+        # batch leave relative differences of about 1e-6; atol covers gradients near zero.
         torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=1e-5, msg=name)
 
 
