@@ -170,3 +170,34 @@ def bert_base_layout(tmp_path_factory):
     bert-base-uncased checkpoint; reference is transformers' BertModel with its weights."""
     root = tmp_path_factory.mktemp("bert-base-uncased")
     return root, write_legacy_bert_base(root)
+
+
+# -- fine-tuning runs -----------------------------------------------------------------------
+
+
+def run_finetune(*args) -> int:
+    """`bert-port-finetune` in this process (its `main`), every argument as a string."""
+    from bert_port.cli import finetune
+
+    return finetune.main([str(a) for a in args])
+
+
+def finetune_args(data: dict, ckpt, out, *extra) -> list:
+    """A short CPU run: `data["train"]`/`data["validation"]` into `out`, two epochs of batches
+    of 8 at 16 tokens, then `extra`."""
+    return [
+        *("--checkpoint", ckpt, "--train", data["train"], "--validation", data["validation"]),
+        *("--output-dir", out, "--max-length", "16", "--batch-size", "8", "--epochs", "2"),
+        *("--lr", "1e-3", "--warmup-steps", "2", "--device", "cpu"),
+        *extra,
+    ]
+
+
+def metrics_of(out: Path) -> dict:
+    """A run's `metrics.json`."""
+    return json.loads((out / "metrics.json").read_text())
+
+
+def load_last(out: Path) -> dict:
+    """A run's resumable training state, `last-checkpoint.pt`."""
+    return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)

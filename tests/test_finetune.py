@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, load_last, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.cli import finetune as finetune_cli
@@ -24,18 +24,6 @@ from bert_port.training import FinetuneConfig, _StopRequest, load_config_file
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "bert_port" / "configs"
-
-
-def run_cli(*args: str) -> int:
-    return finetune_cli.main([str(a) for a in args])
-
-
-def load_last(output_dir: Path) -> dict:
-    return torch.load(output_dir / "last-checkpoint.pt", map_location="cpu", weights_only=True)
-
-
-def metrics_of(output_dir: Path) -> dict:
-    return json.loads((output_dir / "metrics.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +116,7 @@ def sms_run(tmp_path_factory, minilm_path) -> Path:
     write_texts(balanced(splits["validation"], 48), root / "validation.csv")
     out = root / "run"
     assert (
-        run_cli(
+        run_finetune(
             "--checkpoint",
             minilm_path,
             "--train",
@@ -249,8 +237,8 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
     With the recipe's options: evaluations every 4 steps, a cosine schedule, early stopping."""
     ckpt = tiny_checkpoints["no_dropout"]
     options = ("--eval-steps", "4", "--lr-scheduler-type", "cosine", "--early-stopping-patience", "5")
-    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "one", *options)) == 0
-    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2", *options)) == 0
+    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "one", *options)) == 0
+    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2", *options)) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = tiny_args(sms_files, ckpt, tmp_path / "ddp", "--device", "cpu", *options)
     cmd = [
@@ -298,13 +286,13 @@ def test_interrupt_and_resume_equals_uninterrupted(tmp_path, sms_files, tiny_che
     """With dropout on, so the restored RNG matters: stop after N steps, resume, and get
     the same weights, per-step losses and evaluations as a run that never stopped."""
     ckpt = tiny_checkpoints["dropout"]
-    assert run_cli(*tiny_args(sms_files, ckpt, tmp_path / "full")) == 0
+    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "full")) == 0
     args = tiny_args(sms_files, ckpt, tmp_path / "split")
-    assert run_cli(*args, "--stop-after-steps", stop_after) == 0
+    assert run_finetune(*args, "--stop-after-steps", stop_after) == 0
     stopped = metrics_of(tmp_path / "split")
     assert stopped["status"] == "stopped" and stopped["global_step"] == stop_after
     assert load_last(tmp_path / "split")["progress"]["global_step"] == stop_after
-    assert run_cli(*args, "--resume") == 0
+    assert run_finetune(*args, "--resume") == 0
     full, resumed = metrics_of(tmp_path / "full"), metrics_of(tmp_path / "split")
     assert resumed["status"] == "completed"
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"]]
@@ -318,7 +306,9 @@ def test_freeze_encoder_and_bf16_train_only_the_head(tmp_path, sms_files, tiny_c
 
     out = tmp_path / "frozen"
     assert (
-        run_cli(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder", "--bf16"))
+        run_finetune(
+            *tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder", "--bf16")
+        )
         == 0
     )
     trained = BertForSequenceClassification.from_pretrained(out).state_dict()
@@ -333,18 +323,18 @@ def test_freeze_encoder_and_bf16_train_only_the_head(tmp_path, sms_files, tiny_c
 def test_checkpoint_writes_leave_no_temporary_files(tmp_path, sms_files, tiny_checkpoints):
     out = tmp_path / "run"
     args = tiny_args(sms_files, tiny_checkpoints["no_dropout"], out, "--epochs", "1", "--save-steps", "2")
-    assert run_cli(*args) == 0
+    assert run_finetune(*args) == 0
     assert not [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
     assert load_last(out)["progress"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 5}
 
 
 def test_resume_refuses_changed_settings(tmp_path, sms_files, tiny_checkpoints, capsys):
     args = tiny_args(sms_files, tiny_checkpoints["no_dropout"], tmp_path / "run")
-    assert run_cli(*args, "--stop-after-steps", "1") == 0
-    assert run_cli(*args, "--resume", "--batch-size", "4") == 2
+    assert run_finetune(*args, "--stop-after-steps", "1") == 0
+    assert run_finetune(*args, "--resume", "--batch-size", "4") == 2
     err = capsys.readouterr().err
     assert "batch_size: checkpoint 8, now 4" in err and "start a new --output-dir" in err
-    assert run_cli(*args) == 2  # neither --resume nor --overwrite: the run is not clobbered
+    assert run_finetune(*args) == 2  # neither --resume nor --overwrite: the run is not clobbered
     assert "already holds a fine-tuning run" in capsys.readouterr().err
 
 
@@ -390,7 +380,7 @@ def test_files_round_trip_in_every_format(tmp_path):
 
 
 def test_export_dataset_writes_the_split(tmp_path, capsys):
-    assert run_cli("--dataset", "sms", "--export-dataset", tmp_path) == 0
+    assert run_finetune("--dataset", "sms", "--export-dataset", tmp_path) == 0
     rows = list(csv.DictReader((tmp_path / "test.csv").open(encoding="utf-8")))
     assert len(rows) == 453 and rows[0]["text"] == builtin_splits("sms")["test"].texts[0]
 
@@ -465,7 +455,7 @@ def test_bad_data_gives_a_clear_error(tmp_path, capsys, tiny_checkpoints, files,
     for key, text in files.items():
         name = key if "." in key else f"{key}.csv"
         args += [f"--{name.split('.')[0]}", _write(tmp_path / name, text)]
-    assert run_cli(*args, *extra) == 2
+    assert run_finetune(*args, *extra) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert not (tmp_path / "out" / "last-checkpoint.pt").exists()
@@ -486,7 +476,7 @@ def test_predict_cli_errors(tmp_path, capsys, tiny_checkpoints):
 @pytest.mark.gpu
 def test_tiny_run_on_cuda_with_bf16(tmp_path, sms_files, tiny_checkpoints):
     out = tmp_path / "cuda"
-    assert run_cli(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--device", "cuda", "--bf16")) == 0
+    assert run_finetune(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--device", "cuda", "--bf16")) == 0
     m = metrics_of(out)
     assert m["config"]["device"].startswith("cuda") and m["status"] == "completed"
     assert all(torch.isfinite(torch.tensor(s["loss"])) for s in m["steps"])

@@ -15,25 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, TOL
+from conftest import TINY, TOL, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.classifier import BertForSequenceClassification
-from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
 from bert_port.data import DataError, TextDataset, builtin_splits, load_texts, write_texts
 from bert_port.training import multi_label_metrics, regression_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TAGS = ("digits", "long", "spam")
-
-
-def run_cli(*args) -> int:
-    return finetune_cli.main([str(a) for a in args])
-
-
-def metrics_of(out: Path) -> dict:
-    return json.loads((out / "metrics.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +130,7 @@ def test_an_unseen_validation_tag_is_refused(tmp_path, ckpt, files, capsys):
     validation = tmp_path / "v.csv"
     validation.write_text("text,label\nhello,spam|urgent\n")
     args = args_for({**files, "multi_validation": validation}, "multi", ckpt, tmp_path / "out")
-    assert run_cli(*args) == 2
+    assert run_finetune(*args) == 2
     assert "never seen in training: 'urgent' (1 row(s), first at line 2)" in capsys.readouterr().err
 
 
@@ -185,7 +176,7 @@ def runs(tmp_path_factory, files, ckpt) -> dict[str, Path]:
     out = {}
     for kind in ("reg", "multi"):
         out[kind] = root / kind
-        assert run_cli(*args_for(files, kind, ckpt, out[kind], "--eval-steps", "4")) == 0
+        assert run_finetune(*args_for(files, kind, ckpt, out[kind], "--eval-steps", "4")) == 0
     return out
 
 
@@ -269,7 +260,7 @@ def test_torchrun_regression_two_processes_equal_one(tmp_path, files, ckpt):
     """Regression gathers every prediction across processes for the correlations: 2 gloo
     processes give the same steps and evaluations as one."""
     extra = ("--eval-steps", "3", "--lr-scheduler-type", "cosine")
-    assert run_cli(*args_for(files, "reg", ckpt, tmp_path / "one", *extra)) == 0
+    assert run_finetune(*args_for(files, "reg", ckpt, tmp_path / "one", *extra)) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = args_for(files, "reg", ckpt, tmp_path / "ddp", *extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, finetune_args, load_last, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.cli import finetune as finetune_cli
@@ -22,18 +22,6 @@ from bert_port.training import FinetuneConfig, load_config_file
 from bert_port.training.settings import bundled_config
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args) -> int:
-    return finetune_cli.main([str(a) for a in args])
-
-
-def metrics_of(out: Path) -> dict:
-    return json.loads((out / "metrics.json").read_text())
-
-
-def load_last(out: Path) -> dict:
-    return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,39 +48,13 @@ def data(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def args_for(data, ckpt, out, *extra) -> list:
-    return [
-        "--checkpoint",
-        ckpt,
-        "--train",
-        data["train"],
-        "--validation",
-        data["validation"],
-        "--output-dir",
-        out,
-        "--max-length",
-        "16",
-        "--batch-size",
-        "8",
-        "--epochs",
-        "2",
-        "--lr",
-        "1e-3",
-        "--warmup-steps",
-        "2",
-        "--device",
-        "cpu",
-        *extra,
-    ]
-
-
 # -----------------------------------------------------------------------------------------
 # --eval-steps, --early-stopping-patience
 
 
 def test_eval_steps_evaluates_and_keeps_the_best_every_n_steps(tmp_path, data, ckpt):
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--eval-steps", "3", "--metric-for-best", "loss")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--eval-steps", "3", "--metric-for-best", "loss")) == 0
     m = metrics_of(out)
     assert m["global_step"] == 10  # 5 steps per epoch
     assert [e["step"] for e in m["evaluations"]] == [3, 6, 9, 10]  # every 3 steps, and the last
@@ -113,12 +75,14 @@ def test_eval_steps_evaluates_and_keeps_the_best_every_n_steps(tmp_path, data, c
 
 def _early_args(data, ckpt, out, *extra) -> list:
     # Evaluated every step on validation accuracy, which plateaus quickly on 24 examples.
-    return args_for(data, ckpt, out, "--eval-steps", "1", "--early-stopping-patience", "2", "--epochs", "3", *extra)
+    return finetune_args(
+        data, ckpt, out, "--eval-steps", "1", "--early-stopping-patience", "2", "--epochs", "3", *extra
+    )
 
 
 def test_early_stopping_stops_after_k_evaluations_without_improvement(tmp_path, data, ckpt, capsys):
     out = tmp_path / "run"
-    assert run_cli(*_early_args(data, ckpt, out)) == 0
+    assert run_finetune(*_early_args(data, ckpt, out)) == 0
     m = metrics_of(out)
     accuracy = [e["validation"]["accuracy"] for e in m["evaluations"]]
     # Replay the rule on the recorded evaluations: the run ends at the first evaluation that
@@ -147,16 +111,16 @@ RESUME_OPTIONS = ("--eval-steps", "2", "--early-stopping-patience", "2", "--lr-s
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data, ckpt) -> Path:
     full = tmp_path_factory.mktemp("full") / "run"
-    assert run_cli(*_early_args(data, ckpt, full, *RESUME_OPTIONS)) == 0
+    assert run_finetune(*_early_args(data, ckpt, full, *RESUME_OPTIONS)) == 0
     return full
 
 
 @pytest.mark.parametrize("stop_after", [2, 3, 4])  # between evaluations of every 2 steps, at one, past it
 def test_resume_with_eval_steps_and_early_stopping_ends_bit_identical(tmp_path, data, ckpt, uninterrupted, stop_after):
     full, split = uninterrupted, tmp_path / "split"
-    assert run_cli(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--stop-after-steps", stop_after) == 0
+    assert run_finetune(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--stop-after-steps", stop_after) == 0
     assert metrics_of(split)["status"] == "stopped"
-    assert run_cli(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--resume") == 0
+    assert run_finetune(*_early_args(data, ckpt, split, *RESUME_OPTIONS), "--resume") == 0
     a, b = metrics_of(split), metrics_of(full)
     assert b["early_stopping"]["stopped_early"] and b["global_step"] < 15  # the case under test
     assert stop_after < b["global_step"]
@@ -178,7 +142,7 @@ def test_lr_scheduler_type_gives_transformers_schedule_in_a_run(tmp_path, data, 
     import transformers
 
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--lr-scheduler-type", "cosine", "--warmup-steps", "3")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--lr-scheduler-type", "cosine", "--warmup-steps", "3")) == 0
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     scheduler = transformers.get_scheduler("cosine", optimizer, num_warmup_steps=3, num_training_steps=10)
     expected = []
@@ -193,7 +157,7 @@ def test_report_to_tensorboard_writes_the_scalars(tmp_path, data, ckpt):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--report-to", "tensorboard", "--eval-steps", "4")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--report-to", "tensorboard", "--eval-steps", "4")) == 0
     m = metrics_of(out)
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -214,7 +178,7 @@ def test_report_to_tensorboard_without_tensorboard_is_refused_before_training(
 ):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importing it raises ImportError
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--report-to", "tensorboard")) == 2
+    assert run_finetune(*finetune_args(data, ckpt, out, "--report-to", "tensorboard")) == 2
     err = capsys.readouterr().err
     assert "needs the Python package 'tensorboard'" in err and "pip install 'bert-port[tensorboard]'" in err
     assert not (out / "last-checkpoint.pt").exists()
@@ -223,25 +187,25 @@ def test_report_to_tensorboard_without_tensorboard_is_refused_before_training(
 def test_without_matplotlib_the_run_trains_and_says_the_plot_was_skipped(tmp_path, data, ckpt, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--epochs", "1")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--epochs", "1")) == 0
     assert metrics_of(out)["status"] == "completed" and not (out / "training_curves.png").exists()
     assert "training_curves.png not drawn" in caplog.text and "pip install 'bert-port[plot]'" in caplog.text
 
 
 def test_fp16_on_the_cpu_is_a_clear_error(tmp_path, data, ckpt, capsys):
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--fp16")) == 2
+    assert run_finetune(*finetune_args(data, ckpt, out, "--fp16")) == 2
     err = capsys.readouterr().err
     assert "--fp16 needs a CUDA device" in err and "use --bf16" in err
-    assert run_cli(*args_for(data, ckpt, out, "--fp16", "--bf16")) == 2
+    assert run_finetune(*finetune_args(data, ckpt, out, "--fp16", "--bf16")) == 2
     assert "--bf16 and --fp16 exclude each other" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 def test_fp16_with_a_gradient_scaler_on_cuda(tmp_path, data, ckpt):
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--device", "cuda", "--fp16", "--stop-after-steps", "4")) == 0
-    assert run_cli(*args_for(data, ckpt, out, "--device", "cuda", "--fp16", "--resume")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--device", "cuda", "--fp16", "--stop-after-steps", "4")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--device", "cuda", "--fp16", "--resume")) == 0
     m = metrics_of(out)
     assert m["status"] == "completed" and m["config"]["device"].startswith("cuda")
     assert all(torch.isfinite(torch.tensor(s["loss"])) for s in m["steps"])
@@ -264,14 +228,14 @@ def test_every_setting_has_a_flag_with_help():
 
 def test_resume_refuses_changed_new_settings(tmp_path, data, ckpt, capsys):
     out = tmp_path / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--stop-after-steps", "1")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--stop-after-steps", "1")) == 0
     for extra, message in (
         (["--lr-scheduler-type", "cosine"], "lr_scheduler_type: checkpoint 'linear', now 'cosine'"),
         (["--eval-steps", "2"], "eval_steps: checkpoint None, now 2"),
         (["--early-stopping-patience", "3"], "early_stopping_patience: checkpoint None, now 3"),
         (["--problem-type", "multi_label_classification"], "problem_type: checkpoint 'single_label_classification'"),
     ):
-        assert run_cli(*args_for(data, ckpt, out, "--resume", *extra)) == 2
+        assert run_finetune(*finetune_args(data, ckpt, out, "--resume", *extra)) == 2
         assert message in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, finetune_args, load_last, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.checkpoint import TEMPORARY
@@ -31,18 +31,6 @@ from bert_port.training import DETAIL_MAX_CLASSES, WORST_CLASSES
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
-def run_cli(*args) -> int:
-    return finetune_cli.main([str(a) for a in args])
-
-
-def metrics_of(out: Path) -> dict:
-    return json.loads((out / "metrics.json").read_text())
-
-
-def load_last(out: Path) -> dict:
-    return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 def temporaries(out: Path) -> list[Path]:
@@ -90,37 +78,11 @@ def data(tmp_path_factory) -> dict[str, Path]:
     return {"train": _csv(root / "train.csv", _rows(40)), "validation": _csv(root / "validation.csv", _rows(12, 100))}
 
 
-def args_for(data, ckpt, out, *extra) -> list:
-    return [
-        "--checkpoint",
-        ckpt,
-        "--train",
-        data["train"],
-        "--validation",
-        data["validation"],
-        "--output-dir",
-        out,
-        "--max-length",
-        "16",
-        "--batch-size",
-        "8",
-        "--epochs",
-        "2",
-        "--lr",
-        "1e-3",
-        "--warmup-steps",
-        "2",
-        "--device",
-        "cpu",
-        *extra,
-    ]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data, ckpt) -> Path:
     """A fine-tuned output directory, for bert-port-predict."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    assert run_cli(*args_for(data, ckpt, out, "--epochs", "1")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--epochs", "1")) == 0
     return out
 
 
@@ -252,7 +214,7 @@ def test_unterminated_quote_is_refused_not_swallowed(tmp_path, ckpt, data, capsy
     train = tmp_path / "train.csv"
     train.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    code = run_cli(*args_for({**data, "train": train}, ckpt, out))
+    code = run_finetune(*finetune_args({**data, "train": train}, ckpt, out))
     assert_refused(
         code, capsys, f"{train}, line 6: a quoted field opened in the row starting on this line is never closed"
     )
@@ -266,7 +228,9 @@ def test_label_spanning_lines_is_refused(tmp_path, capsys, ckpt, data):
     train.write_text('text,label\na,pos\nb,neg\nc,"pos\nd,neg\ne,pos"\nf,neg\ng,pos\n')
     with pytest.raises(DataError, match=r"line 6: the label .* spans several lines.*unbalanced quote"):
         load_texts(train)
-    assert_refused(run_cli(*args_for({**data, "train": train}, ckpt, tmp_path / "out")), capsys, "spans several lines")
+    assert_refused(
+        run_finetune(*finetune_args({**data, "train": train}, ckpt, tmp_path / "out")), capsys, "spans several lines"
+    )
 
 
 @pytest.mark.parametrize(
@@ -313,13 +277,13 @@ def test_field_over_128_kib_is_read_and_truncated_to_max_length(tmp_path, ckpt, 
     train = _csv(tmp_path / "train.csv", [(big, "pos")] + _rows(20))
     assert load_texts(train).texts[0] == big
     out = tmp_path / "out"
-    assert run_cli(*args_for({**data, "train": train}, ckpt, out, "--epochs", "1")) == 0
+    assert run_finetune(*finetune_args({**data, "train": train}, ckpt, out, "--epochs", "1")) == 0
     assert metrics_of(out)["status"] == "completed"
 
 
 def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
-    code = run_cli(*args_for(data, ckpt, out, "--max-length", "1024"))
+    code = run_finetune(*finetune_args(data, ckpt, out, "--max-length", "1024"))
     assert_refused(
         code,
         capsys,
@@ -361,7 +325,9 @@ def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_pat
 )
 def test_nonsense_flags_are_refused_before_any_work(tmp_path, ckpt, data, capsys, extra, message):
     out = tmp_path / "out"
-    assert_refused(run_cli(*args_for(data, ckpt, out), *extra), capsys, "invalid fine-tuning configuration", message)
+    assert_refused(
+        run_finetune(*finetune_args(data, ckpt, out), *extra), capsys, "invalid fine-tuning configuration", message
+    )
     assert not out.exists()  # refused before anything was created
 
 
@@ -369,7 +335,7 @@ def test_nonsense_flags_are_refused_before_any_work(tmp_path, ckpt, data, capsys
 def test_a_string_lr_on_the_command_line_is_a_usage_error(tmp_path, ckpt, data, capsys, value):
     assert_usage_error(
         finetune_cli.main,
-        args_for(data, ckpt, tmp_path / "out", "--lr", value),
+        finetune_args(data, ckpt, tmp_path / "out", "--lr", value),
         capsys,
         "argument --lr: invalid float value",
     )
@@ -389,32 +355,36 @@ def test_a_string_lr_on_the_command_line_is_a_usage_error(tmp_path, ckpt, data, 
 def test_wrong_types_in_a_config_file_are_refused(tmp_path, ckpt, data, capsys, settings, message):
     config = tmp_path / "c.json"
     config.write_text(json.dumps(settings))
-    args = args_for(data, ckpt, tmp_path / "out")
+    args = finetune_args(data, ckpt, tmp_path / "out")
     for key in settings:  # a flag would win over the file
         flag = "--" + key.replace("_", "-")
         if flag in args:
             del args[args.index(flag) : args.index(flag) + 2]
-    assert_refused(run_cli("--config", config, *args), capsys, message)
+    assert_refused(run_finetune("--config", config, *args), capsys, message)
 
 
 def test_config_file_that_is_a_directory_is_refused(tmp_path, capsys):
-    assert_refused(run_cli("--config", tmp_path), capsys, "cannot read the configuration file")
+    assert_refused(run_finetune("--config", tmp_path), capsys, "cannot read the configuration file")
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
     out.write_text("precious")
-    assert_refused(run_cli(*args_for(data, ckpt, out)), capsys, "is a file, not a directory")
+    assert_refused(run_finetune(*finetune_args(data, ckpt, out)), capsys, "is a file, not a directory")
     assert out.read_text() == "precious"
 
 
 def test_missing_label_column_and_directory_as_data(tmp_path, ckpt, data, capsys):
     train = tmp_path / "t.csv"
     train.write_text("text,sentiment\na,1\nb,0\n")
-    assert_refused(run_cli(*args_for({**data, "train": train}, ckpt, tmp_path / "o")), capsys, "has no column 'label'")
+    assert_refused(
+        run_finetune(*finetune_args({**data, "train": train}, ckpt, tmp_path / "o")), capsys, "has no column 'label'"
+    )
     folder = tmp_path / "folder.csv"
     folder.mkdir()
-    assert_refused(run_cli(*args_for({**data, "train": folder}, ckpt, tmp_path / "o")), capsys, "is a directory")
+    assert_refused(
+        run_finetune(*finetune_args({**data, "train": folder}, ckpt, tmp_path / "o")), capsys, "is a directory"
+    )
 
 
 def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, capsys):
@@ -425,7 +395,9 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, ca
     fd = os.open(out, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running bert-port-finetune holds it
-        assert_refused(run_cli(*args_for(data, ckpt, out)), capsys, "another bert-port-finetune is writing into")
+        assert_refused(
+            run_finetune(*finetune_args(data, ckpt, out)), capsys, "another bert-port-finetune is writing into"
+        )
     finally:
         os.close(fd)
     assert not (out / "last-checkpoint.pt").exists()
@@ -433,10 +405,10 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, ca
 
 def test_damaged_training_state_is_refused_on_resume(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
-    assert run_cli(*args_for(data, ckpt, out, "--stop-after-steps", "1")) == 0
+    assert run_finetune(*finetune_args(data, ckpt, out, "--stop-after-steps", "1")) == 0
     state = out / "last-checkpoint.pt"
     state.write_bytes(state.read_bytes()[:1000])
-    assert_refused(run_cli(*args_for(data, ckpt, out, "--resume")), capsys, "it is damaged", "--overwrite")
+    assert_refused(run_finetune(*finetune_args(data, ckpt, out, "--resume")), capsys, "it is damaged", "--overwrite")
 
 
 # -----------------------------------------------------------------------------------------
@@ -465,7 +437,7 @@ def _nan_from_step(monkeypatch, first_bad: int) -> None:
 def test_nan_loss_mid_run_stops_with_an_error_and_saves_nothing_from_it(tmp_path, ckpt, data, capsys, monkeypatch):
     out = tmp_path / "out"
     _nan_from_step(monkeypatch, 4)  # steps 1-3 are fine; save every 2 steps: step 2 is the last good state
-    code = run_cli(*args_for(data, ckpt, out, "--save-steps", "2"))
+    code = run_finetune(*finetune_args(data, ckpt, out, "--save-steps", "2"))
     assert_refused(code, capsys, "step 4 (epoch 1", "diverged", "nothing was saved from it", "lower --lr")
     state = load_last(out)
     assert state["progress"]["global_step"] == 2
@@ -491,7 +463,7 @@ def test_weights_broken_by_the_last_step_of_an_epoch_are_never_saved(tmp_path, c
 
     monkeypatch.setattr(recipe, "train_step", step)
     out = tmp_path / "out"
-    code = run_cli(*args_for(data, ckpt, out, "--save-steps", "4"))
+    code = run_finetune(*finetune_args(data, ckpt, out, "--save-steps", "4"))
     assert_refused(code, capsys, "the validation loss after epoch 1 (step 5) is nan", "Nothing was saved")
     assert load_last(out)["progress"]["global_step"] == 4
     assert not (out / "model.safetensors").exists() and not (out / "metrics.json").exists()
@@ -502,7 +474,7 @@ def test_a_learning_rate_that_blows_up_the_weights_is_caught(tmp_path, ckpt, dat
     LayerNorm variance overflows, and the next loss is NaN. Before the fix such a run
     reported an accuracy (the argmax of NaN) and saved NaN weights."""
     out = tmp_path / "out"
-    code = run_cli(*args_for(data, ckpt, out, "--lr", "1e30", "--max-grad-norm", "0", "--warmup-steps", "0"))
+    code = run_finetune(*finetune_args(data, ckpt, out, "--lr", "1e30", "--max-grad-norm", "0", "--warmup-steps", "0"))
     assert_refused(code, capsys, "diverged", "nothing was saved")
     assert not (out / "model.safetensors").exists() and not (out / "last-checkpoint.pt").exists()
 
@@ -642,9 +614,9 @@ def _child(args: list, kill_at: int | None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("kills", [3, pytest.param(8, marks=pytest.mark.slow)])
 def test_kill_9_then_resume_cleans_up_and_ends_bit_identical(tmp_path, ckpt, data, kills):
     full = tmp_path / "full"
-    assert _child(args_for(data, ckpt, full, "--save-steps", "1"), None).returncode == 0
+    assert _child(finetune_args(data, ckpt, full, "--save-steps", "1"), None).returncode == 0
     out = tmp_path / "killed"
-    args = args_for(data, ckpt, out, "--save-steps", "1")
+    args = finetune_args(data, ckpt, out, "--save-steps", "1")
     for attempt in range(kills):
         resume = ["--resume"] if (out / "last-checkpoint.pt").is_file() else ["--overwrite"]
         proc = _child(args + resume, kill_at=2)  # each attempt saves one state, then dies writing the next
@@ -672,9 +644,14 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
     """kill -9 from outside, as soon as the first training state is on disk (wherever the
     child then is), then a resume: same weights as the run that was never killed."""
     full = tmp_path / "full"
-    assert _child(args_for(data, ckpt, full, "--save-steps", "1"), None).returncode == 0
+    assert _child(finetune_args(data, ckpt, full, "--save-steps", "1"), None).returncode == 0
     out = tmp_path / "killed"
-    args = [sys.executable, "-m", "bert_port.cli.finetune", *map(str, args_for(data, ckpt, out, "--save-steps", "1"))]
+    args = [
+        sys.executable,
+        "-m",
+        "bert_port.cli.finetune",
+        *map(str, finetune_args(data, ckpt, out, "--save-steps", "1")),
+    ]
     child = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         import time
@@ -685,7 +662,7 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(timeout=60)
-    proc = _child(args_for(data, ckpt, out, "--save-steps", "1", "--resume"), None)
+    proc = _child(finetune_args(data, ckpt, out, "--save-steps", "1", "--resume"), None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not temporaries(out)
     wa, wb = load_last(out)["model"], load_last(full)["model"]

@@ -74,15 +74,7 @@ def metrics_from_counts(
         "n": int(total),
     }
     if len(names) <= DETAIL_MAX_CLASSES:
-        result["per_class"] = {
-            name: {
-                "precision": float(precision[i]),
-                "recall": float(recall[i]),
-                "f1": float(f1[i]),
-                "support": int(actual[i]),
-            }
-            for i, name in enumerate(names)
-        }
+        result["per_class"] = _per_class(names, precision, recall, f1, actual)
         if confusion is not None:
             result["confusion"] = confusion.long().cpu().tolist()
     else:
@@ -100,6 +92,14 @@ def metrics_from_counts(
             "worst_f1": [{"label": names[i], "f1": float(f1[i]), "support": int(actual[i])} for i in worst],
         }
     return result
+
+
+def _per_class(names: list[str], precision: Tensor, recall: Tensor, f1: Tensor, actual: Tensor) -> dict:
+    """Each label's precision, recall, F1 and support (its number of target examples)."""
+    return {
+        name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
+        for name, p, r, f, n in zip(names, precision, recall, f1, actual)
+    }
 
 
 def multi_label_metrics(
@@ -120,15 +120,7 @@ def multi_label_metrics(
         "n": n,
     }
     if len(names) <= DETAIL_MAX_CLASSES:
-        result["per_class"] = {
-            name: {
-                "precision": float(precision[i]),
-                "recall": float(recall[i]),
-                "f1": float(f1[i]),
-                "support": int(actual[i]),
-            }
-            for i, name in enumerate(names)
-        }
+        result["per_class"] = _per_class(names, precision, recall, f1, actual)
     return result
 
 
