@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checkpoint as ckpt
-from .config import BertConfig
+from .config import SHAPE_FIELDS, BertConfig
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +155,6 @@ def _check_finite_mode(mode: str) -> None:
         raise ValueError(f"check_finite must be one of {CHECK_FINITE_MODES}, got {mode!r}")
 
 
-# The fields that fix the shapes of the weights, and with vocab_size the tokenizer.
-_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-    "type_vocab_size",
-)
-
-
 def _same_shape(config_file: Path, config: dict) -> bool:
     """Whether the config.json already in a folder (if any) describes a model shaped like
     `config`. No config there: nothing says its tokenizer files belong to another model."""
@@ -176,7 +164,7 @@ def _same_shape(config_file: Path, config: dict) -> bool:
         return True
     except (OSError, ValueError):
         return False
-    return isinstance(previous, dict) and all(previous.get(f) == config.get(f) for f in _SHAPE_FIELDS)
+    return isinstance(previous, dict) and all(previous.get(f) == config.get(f) for f in SHAPE_FIELDS)
 
 
 class BertPreTrainedModel(nn.Module):

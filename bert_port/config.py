@@ -53,6 +53,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The fields that fix the shapes of the weights (and, with vocab_size, the tokenizer): each must
+# be a positive integer, and two configs that agree on them hold interchangeable weights.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+
+
 class ConfigError(ValueError):
     """A BERT configuration that cannot describe a model this port can build."""
 
@@ -107,15 +120,7 @@ class BertConfig:
     def validate(self) -> None:
         """Raise `ConfigError` naming every invalid field, with what to do about it."""
         problems = []
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-        ):
+        for name in SHAPE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")

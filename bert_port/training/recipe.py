@@ -656,21 +656,27 @@ class FinetuneRecipe:
 
     # --- evaluation ----------------------------------------------------------------------
 
+    def _metrics_on(self, model: nn.Module, collate, split: str) -> dict[str, Any]:
+        """`model`'s loss and metrics on one split, with this run's batch size, precision and
+        problem type."""
+        cfg = self.cfg
+        return evaluate(
+            model,
+            collate,
+            self.splits.names,
+            self.d,
+            cfg.eval_batch_size,
+            cfg.bf16,
+            desc=split,
+            problem_type=cfg.problem_type,
+            fp16=cfg.fp16,
+        )
+
     def evaluate(self) -> dict[str, Any]:
         """Evaluate on the validation data, record it, keep the best checkpoint, and count
         towards early stopping."""
         cfg, d, step = self.cfg, self.d, self.global_step
-        result = evaluate(
-            self.model,
-            self.val_collate,
-            self.splits.names,
-            d,
-            cfg.eval_batch_size,
-            cfg.bf16,
-            desc="validation",
-            problem_type=cfg.problem_type,
-            fp16=cfg.fp16,
-        )
+        result = self._metrics_on(self.model, self.val_collate, "validation")
         epoch, rest = divmod(step, self.steps_per_epoch)
         when = f"after epoch {epoch}" if rest == 0 else f"in epoch {epoch + 1}"
         if not math.isfinite(result["loss"]):  # the metrics would be those of NaN scores: meaningless
@@ -757,17 +763,7 @@ class FinetuneRecipe:
         if self.status == "completed":
             if self.test_collate is not None:
                 best = load_trained(self.out, self.hf_module, cfg.attn_implementation).to(d.device)
-                metrics["test"] = evaluate(
-                    best,
-                    self.test_collate,
-                    self.splits.names,
-                    d,
-                    cfg.eval_batch_size,
-                    cfg.bf16,
-                    desc="test",
-                    problem_type=cfg.problem_type,
-                    fp16=cfg.fp16,
-                )
+                metrics["test"] = self._metrics_on(best, self.test_collate, "test")
             if cfg.compare_to and d.is_main:
                 self._compare(metrics)
         metrics["wall_time_s"] = round(time.perf_counter() - self.t_start, 2)  # this invocation, data to test
