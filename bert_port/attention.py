@@ -1,7 +1,7 @@
 """The attention functions `BertSelfAttention.forward` calls besides its own eager
-`attention`: SDPA on a padded batch (transformers' `sdpa_attention_forward`), SDPA on the
-real tokens of a packed batch (the default), and varlen FlashAttention on packed real
-tokens where the hardware has it.
+`attention`: SDPA on a padded batch (transformers' `sdpa_attention_forward`), attention
+on the real tokens of a packed batch, sequence by sequence (the default), and varlen
+FlashAttention on packed real tokens where the hardware has it.
 
 Shapes: B batch, T time, N real tokens, H hidden, nh heads, hs head size (H = nh * hs).
 """
@@ -33,13 +33,11 @@ def sdpa_attention(
     return context.reshape(*context.shape[:2], -1).contiguous()
 
 
-def packed_sdpa_attention(
-    qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float = 0.0
-) -> Tensor:
+def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float = 0.0) -> Tensor:
     """Self-attention within each packed sequence on its real tokens only: qkv (N, 3H), the
     fused query, key and value of the real tokens -> context (N, H).
 
-    The CPU has no varlen kernel, so each sequence gets its own SDPA call on views of `qkv`
+    The CPU has no varlen kernel, so each sequence gets its own attention on views of `qkv`
     (no copies in, one concatenation out). Against the padded layout this skips the
     (T^2 - L^2) masked scores of every sequence and the pad and unpad copies of q, k, v and
     the context in every layer; measured on MR batches (about half padding) it is the faster
@@ -48,21 +46,33 @@ def packed_sdpa_attention(
     per sequence) and when autograd records (the backward of one small SDPA per sequence made
     a MiniLM fine-tuning step 0.53x transformers' speed, against 1.16x padded).
     """
-    N, three_h = qkv.shape
-    H = three_h // 3
     if qkv.is_cuda or (torch.is_grad_enabled() and qkv.requires_grad):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    # Heads first once for the whole batch, so that each sequence is one slice per tensor;
-    # 4-D, as the CPU flash kernel wants (3-D inputs fall back to the slower math path).
-    q, k, v = qkv.view(1, N, 3, num_heads, H // num_heads).permute(2, 0, 3, 1, 4).unbind(0)  # (1, nh, N, hs) views
+    N, three_h = qkv.shape
+    q, k, v = qkv.view(N, 3, num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
+    # fp32: the CPU flash kernel is slower than two bmm on sequences this short (per call on
+    # 12 heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63, on a 2-core Xeon),
+    # and fp32 scores lose nothing. bf16/fp16: flash, whose scores and softmax stay in fp32.
+    attend = _math_attention if qkv.dtype == torch.float32 else _flash_attention
     contexts = []
     for start, length in zip(packing.starts, packing.seqlens):
         rows = slice(start, start + length)
-        context = F.scaled_dot_product_attention(
-            q[:, :, rows], k[:, :, rows], v[:, :, rows], dropout_p=dropout_p, scale=scale
-        )  # (1, nh, L, hs), stored token-major by the CPU kernel
-        contexts.append(context[0].transpose(0, 1))  # (L, nh, hs)
-    return torch.cat(contexts).view(N, H)  # one copy, straight into the (N, H) rows
+        context = attend(q[:, rows], k[:, rows], v[:, rows], scale, dropout_p)  # (nh, L, hs)
+        contexts.append(context.transpose(0, 1))  # (L, nh, hs)
+    return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows
+
+
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """Attention of one unmasked sequence: q, k, v (nh, L, hs) -> (nh, L, hs). The raw
+    scores are scaled after the product, as transformers' eager path does."""
+    probs = torch.bmm(q, k.transpose(1, 2)).mul_(scale).softmax(-1)  # (nh, L, L)
+    return torch.bmm(F.dropout(probs, dropout_p) if dropout_p else probs, v)
+
+
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """The same through SDPA (4-D, as the CPU flash kernel wants: 3-D inputs fall back to
+    the slower math path)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], dropout_p=dropout_p, scale=scale)[0]
 
 
 def _padded_sdpa_of_packed(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float) -> Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import packed_sdpa_attention, sdpa_attention, varlen_attention, varlen_supported
+from .attention import packed_attention, sdpa_attention, varlen_attention, varlen_supported
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
 from .outputs import ModelOutput
@@ -125,8 +125,8 @@ class BertSelfAttention(nn.Module):
             qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
             if implementation == "varlen" and varlen_supported(qkv, dropout_p):
                 return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
-            # Otherwise SDPA on each sequence's real tokens (attention.py says why).
-            return packed_sdpa_attention(qkv, packing, self.num_attention_heads, self.scaling, dropout_p), None
+            # Otherwise attention on each sequence's real tokens (attention.py says why).
+            return packed_attention(qkv, packing, self.num_attention_heads, self.scaling, dropout_p), None
 
         # Query, key, value in transformers' order: the forward does not care, but autograd
         # sums the three gradients into `hidden_states` in reverse order of creation, and this

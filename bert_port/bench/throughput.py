@@ -34,10 +34,12 @@ REFERENCE = "transformers (sdpa), fp32"
 @dataclass
 class Row:
     """A timed variant: `forward` gives the last hidden state; `baseline` names the row
-    it is compared with at the same precision."""
+    it is compared with at the same precision; `timed`, when set, is what the timing loop
+    calls instead of `forward` (a peer in its own process need not send its output back)."""
 
     forward: Forward
     baseline: str = REFERENCE
+    timed: Forward | None = None
 
 
 def model_forward(model, autocast: torch.dtype | None = None, **config) -> Forward:
@@ -119,7 +121,7 @@ def time_rows(
     flops = sum(model_flops(config, b["attention_mask"]) for b in batches)
     tolerance = tolerance_for(matmul_dtype)
     diffs = real_token_diff(rows, reference, batches, tolerance)
-    timed = {name: row.forward for name, row in rows.items()}
+    timed = {name: row.timed or row.forward for name, row in rows.items()}
     shape = (max(256, int(batches[0]["attention_mask"].sum())), config.hidden_size, config.intermediate_size)
     timed["matmul"], probe_flops = roofline_probe(device, matmul_dtype, shape, reference, batches[0])
     times = interleave(timed, batches, args.reps, device, title, seed=args.seed)
@@ -228,10 +230,11 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
     compiled = compiled_layers(args, ours, batches, report)
     if compiled is not None:
         rows["port + torch.compile (layers)"] = Row(model_forward(compiled))
-    with tempfile.TemporaryDirectory(prefix="bert-port-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-bench-"))
         threads = torch.get_num_threads()
-        peers = peer_rows(args.peers, path, ref, Path(tmp), device, threads, report)
-        rows.update({name: Row(fn) for name, fn in peers.items()})
+        peers = peer_rows(args.peers, path, ref, Path(tmp), device, threads, report, stack)
+        rows.update({name: Row(fn, timed=getattr(fn, "timed", None)) for name, fn in peers.items()})
         result = {"real_length_mean": float(lens.mean()), "padding_fraction": 1 - real}
         result["fp32"] = time_rows("MiniLM / MR, fp32", rows, reference, batches, ours.config, args, device, report)
     for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name]):
