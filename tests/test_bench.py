@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TOL
 
 from bert_port import BertConfig
 from bert_port.bench.harness import Report, config_override, model_flops, mr_texts, native_bf16, run_module
@@ -128,3 +129,36 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     rows = json.loads(js.read_text())["real"]["fp32"]["rows"]
     assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)"}
     assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0
+
+
+def test_cpu_peers_run_in_a_process_of_their_own(minilm_path, hf_reference, tmp_path):
+    """CTranslate2 runs in `peer_worker.py`, a child without torch (in torch's process it
+    would bind torch's libgomp and slow the torch rows down), returns the hidden state for
+    the parity pass and nothing for the timed calls, reports its failures and exits with
+    the bench."""
+    pytest.importorskip("ctranslate2")
+    import contextlib
+
+    from bert_port import encode, load_tokenizer
+    from bert_port.bench.peers import PeerProcess, ctranslate2_rows
+
+    batch = encode(load_tokenizer(minilm_path), ["a short one", "and a rather longer sentence, with more tokens"])
+    cpu = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        worker = PeerProcess(stack)
+        rows = ctranslate2_rows(minilm_path, tmp_path, cpu, 1, worker)
+        fp32 = next(forward for name, forward in rows.items() if name.endswith("fp32"))
+        got = fp32(batch)
+        assert fp32.timed(batch) is None
+        maps = Path(f"/proc/{worker.process.pid}/maps").read_text()
+        assert "libctranslate2" in maps and "libtorch" not in maps
+        with pytest.raises(RuntimeError, match="in the peer process"):
+            worker.build(
+                "broken", "ctranslate2", {"path": str(tmp_path / "nothing"), "compute_type": "float32", "threads": 1}
+            )
+        assert fp32.timed(batch) is None  # a failed build leaves the process serving
+    assert worker.process.returncode == 0
+    with torch.no_grad():
+        expected = hf_reference(**batch).last_hidden_state
+    real = batch["attention_mask"].bool()[:, : got.shape[1]]
+    torch.testing.assert_close(got[real], expected[:, : got.shape[1]][real], **TOL[torch.float32])
