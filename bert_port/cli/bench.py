@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs (flags: {' '.join(m['cpu_flags']) or 'none'}); "
         f"torch {m['torch']} ({m['cpu_capability']} kernels, {m['torch_threads']} threads), device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
-        + f"; load average at start {m['loadavg_start'][0]:.2f}. Ratios are measured interleaved in one process: "
+        + f"; load average at start {m['loadavg_start'][0]:.2f}. Ratios are measured interleaved in one run: "
         "compare them, not the absolute figures, which move with the machine's load."
     )
     bf16 = args.bf16 == "on" or (args.bf16 == "auto" and m["native_bf16"] is not None)
