@@ -13,10 +13,10 @@ and driven by `peers.PeerProcess` over stdin/stdout with pickled messages:
 Why a process of its own: in one process with torch, CTranslate2 binds torch's libgomp (torch
 loads it globally first), and its encoder thread starts a second OpenMP team in the same
 runtime. With more OpenMP threads than CPUs, libgomp stops spinning and parks every thread on
-a futex between parallel regions, for torch's team too: measured on a 2-core Xeon, the port
-ran 1.17-1.40 s per pass after one CTranslate2 call against 0.86-1.19 s before (33k context switches
-against 0.5k). ONNX Runtime's own spinning pool would likewise take CPU from the next row.
-Neither happens to a user who runs one library, so each peer runs as its users run it, alone.
+a futex between parallel regions, for torch's team too. Measured on a 2-core Xeon, the port
+ran 1.17-1.40 s per pass after one CTranslate2 call against 0.86-1.19 s before (33k context
+switches against 0.5k). ONNX Runtime's own spinning pool would likewise take CPU from the next
+row. Neither happens to a user who runs one library, so each peer runs as its users run it.
 """
 
 from __future__ import annotations
