@@ -40,20 +40,26 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     The CPU has no varlen kernel, so each sequence gets its own attention on views of `qkv`
     (no copies in, one concatenation out). Against the padded layout this skips the
     (T^2 - L^2) masked scores of every sequence and the pad and unpad copies of q, k, v and
-    the context in every layer; measured on MR batches (about half padding) it is the faster
-    of the two on CPU in inference. Where a call per sequence costs more than the padding
-    saves, the packed rows go through one padded SDPA call instead: on CUDA (a kernel launch
-    per sequence) and when autograd records (the backward of one small SDPA per sequence made
-    a MiniLM fine-tuning step 0.53x transformers' speed, against 1.16x padded).
+    the context in every layer. Which kernel, measured on MR batches (about half padding)
+    with MiniLM on a 2-core Xeon:
+
+    - fp32: two `bmm` and a softmax per sequence (`_math_attention`), in inference and in
+      training. The CPU flash kernel is slower on sequences this short (per call on 12
+      heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63), and fp32 scores
+      lose nothing; its backward is two more `bmm` (a fine-tuning step: 1.10x the padded
+      call below).
+    - bf16/fp16 inference: the flash kernel per sequence (`_flash_attention`), faster there
+      (94 against 164 us at L=29) and with scores and softmax kept in fp32.
+    - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
+      per sequence costs more than the padding saves (the backward of one small flash call
+      per sequence made a fine-tuning step 0.53x transformers' speed; on CUDA, a kernel
+      launch per sequence).
     """
-    if qkv.is_cuda or (torch.is_grad_enabled() and qkv.requires_grad):
+    if qkv.is_cuda or (qkv.dtype != torch.float32 and torch.is_grad_enabled() and qkv.requires_grad):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
+    attend = _math_attention if qkv.dtype == torch.float32 else _flash_attention
     N, three_h = qkv.shape
     q, k, v = qkv.view(N, 3, num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
-    # fp32: the CPU flash kernel is slower than two bmm on sequences this short (per call on
-    # 12 heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63, on a 2-core Xeon),
-    # and fp32 scores lose nothing. bf16/fp16: flash, whose scores and softmax stay in fp32.
-    attend = _math_attention if qkv.dtype == torch.float32 else _flash_attention
     per_sequence = zip(*(t.split(packing.seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
     contexts = [attend(*qkv_i, scale, dropout_p).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
     return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows

@@ -91,25 +91,32 @@ def test_the_layer_body_is_what_runs(tiny_config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # two bmm / the flash kernel
 def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype):
-    """Inference runs attention on each sequence's real tokens; training (autograd
-    recording) and CUDA run one padded SDPA call over the packed rows. Both attend within
-    each sequence only, holes in the mask included."""
-    from bert_port.attention import packed_attention
+    """On the CPU, attention runs on each sequence's real tokens: in fp32 (two bmm) with or
+    without autograd, in bf16 (the flash kernel) in inference; bf16 training runs one padded
+    SDPA call over the packed rows. All attend within each sequence only, holes in the mask
+    included, and give the padded call's values and gradients."""
+    from bert_port.attention import _padded_sdpa_of_packed, packed_attention
 
     H, nh = tiny_config["hidden_size"], tiny_config["num_attention_heads"]
     packing = pack(_holes_batch(tiny_config["vocab_size"])["attention_mask"])
     qkv = torch.randn(packing.num_tokens, 3 * H, dtype=dtype, requires_grad=True)
     with torch.no_grad():
-        per_sequence = packed_attention(qkv, packing, nh, 0.5)
-    padded = packed_attention(qkv, packing, nh, 0.5)  # autograd records: one padded call
-    assert padded.requires_grad and not per_sequence.requires_grad
-    torch.testing.assert_close(per_sequence, padded.detach(), **TOL[dtype])
+        inference = packed_attention(qkv, packing, nh, 0.5)
+    training = packed_attention(qkv, packing, nh, 0.5)  # autograd records
+    padded = _padded_sdpa_of_packed(qkv, packing, nh, 0.5, 0.0)
+    assert training.requires_grad and not inference.requires_grad
+    for got in (inference, training):
+        torch.testing.assert_close(got, padded, **TOL[dtype])
+    cotangent = torch.randn_like(padded)
+    (grad,) = torch.autograd.grad(training, qkv, cotangent)
+    (expected_grad,) = torch.autograd.grad(padded, qkv, cotangent)
+    torch.testing.assert_close(grad, expected_grad, **TOL[dtype])
     # Each sequence on its own, the reference: no token attends across sequences.
     start = 0
     for n in packing.seqlens:
         q, k, v = (t.view(n, nh, -1).transpose(0, 1) for t in qkv.detach()[start : start + n].split(H, 1))
         expected = F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(0, 1).reshape(n, H)
-        torch.testing.assert_close(per_sequence[start : start + n], expected, **TOL[dtype])
+        torch.testing.assert_close(inference[start : start + n], expected, **TOL[dtype])
         start += n
 
 
