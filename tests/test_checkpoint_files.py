@@ -239,11 +239,11 @@ def _legacy_tiny(directory: Path, legacy_pickle: bool = True):
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(state, directory / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy_pickle)
     (directory / "config.json").write_text(json.dumps({**TINY, "architectures": ["BertForPreTraining"]}))
-    return pretraining.bert
+    return pretraining
 
 
 def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
-    reference = _legacy_tiny(tmp_path / "src")
+    reference = _legacy_tiny(tmp_path / "src").bert
     assert not __import__("zipfile").is_zipfile(tmp_path / "src" / "pytorch_model.bin")  # the old format
     assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     report = capsys.readouterr().out
@@ -258,6 +258,55 @@ def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
     expected = outputs_on_real_tokens(reference, batch)
     assert_bitwise(outputs_on_real_tokens(_hf_load(tmp_path / "dst"), batch), expected)
     assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path / "dst", **EXACT), batch), expected)
+
+
+
+def _hf_load_as(cls_name: str, directory: Path):
+    """transformers' `cls_name` from `directory`, with nothing missing, left over or mismatched."""
+    import transformers
+
+    model, info = getattr(transformers, cls_name).from_pretrained(
+        str(directory), output_loading_info=True, attn_implementation="eager"
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    return model.eval()
+
+
+def test_convert_keeps_the_pretraining_heads_with_keep_heads(tmp_path, capsys):
+    reference = _legacy_tiny(tmp_path / "src", legacy_pickle=False).eval()
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst"), "--keep-heads"]) == 0
+    report = capsys.readouterr().out
+    assert "model:     BertForPreTraining" in report and "dropped:   0 pretraining-head tensors" in report
+    assert "verified:" in report
+    converted = _hf_load_as("BertForPreTraining", tmp_path / "dst")
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        got, expected = converted(**batch), reference(**batch)
+    assert_bitwise(
+        (got.prediction_logits, got.seq_relationship_logits),
+        (expected.prediction_logits, expected.seq_relationship_logits),
+    )
+
+
+def test_convert_without_keep_heads_says_how_to_keep_them(tmp_path, capsys):
+    _legacy_tiny(tmp_path / "src", legacy_pickle=False)
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    assert "(--keep-heads keeps them)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls_name", ["BertForTokenClassification", "BertForQuestionAnswering", "BertForMaskedLM"])
+def test_convert_keeps_what_the_checkpoint_is(tmp_path, capsys, cls_name):
+    """A task model stays that model: a token classifier does not become a sequence
+    classifier (config.json's `architectures` tells them apart), a QA head is not lost, and
+    an MLM-only checkpoint with --keep-heads is a BertForMaskedLM."""
+    source = hf_model({**TINY, "num_labels": 2 if cls_name == "BertForQuestionAnswering" else 3}, cls_name)
+    source.save_pretrained(tmp_path / "src")
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst"), "--keep-heads"]) == 0
+    assert f"model:     {cls_name}" in capsys.readouterr().out
+    converted = _hf_load_as(cls_name, tmp_path / "dst")
+    batch = random_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        assert_bitwise(tuple(converted(**batch).values()), tuple(source.eval()(**batch).values()))
 
 
 def test_convert_sharded_dtype_and_overwrite(tmp_path, capsys):

@@ -3,10 +3,12 @@
 SRC is a checkpoint directory, a weights file (`pytorch_model.bin`, `*.safetensors`, a
 shard index) with `config.json` beside it, or a model id in the local HF cache. Any layout
 the loader reads (legacy `LayerNorm.gamma/beta`, `bert.`/`module.`/`_orig_mod.` prefixes,
-pretraining heads, sentence-transformers) becomes HF `BertModel` names in `model.safetensors`
-(sharded above `--max-shard-size`), with `config.json`, the tokenizer files and a
-sentence-transformers folder's own files (`modules.json`, `1_Pooling/`, ...), in DST. The
-report says what was renamed, what was dropped, and that DST reads back bit for bit.
+pretraining heads, sentence-transformers) becomes HF names in `model.safetensors` (sharded
+above `--max-shard-size`), with `config.json`, the tokenizer files and a sentence-transformers
+folder's own files (`modules.json`, `1_Pooling/`, ...), in DST. A task head (sequence or
+token classification, question answering) is kept, and so are the pretraining heads (`cls.*`)
+with `--keep-heads`; otherwise DST is a `BertModel`. The report says what was renamed, what
+was dropped, and that DST reads back bit for bit.
 
 Exit status: 0 converted and verified; 1 the written files did not read back identically;
 2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint)
@@ -45,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-file", default=None, help="config.json to use when SRC is a bare weights file")
     parser.add_argument("--revision", default="main", help="cache ref or commit when SRC is a model id")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    parser.add_argument(
+        "--keep-heads",
+        action="store_true",
+        help="keep the pretraining heads (cls.*): DST is then a BertForPreTraining or BertForMaskedLM checkpoint",
+    )
     return parser
 
 
@@ -56,18 +63,29 @@ def _holds_checkpoint(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name in ckpt.WEIGHT_NAMES or p.suffix == ".safetensors")
 
 
-def _model_class(state: dict[str, torch.Tensor]):
-    """BertModel, with or without a pooler, or BertForSequenceClassification when the
-    checkpoint carries a `classifier.` head: the model that keeps every used tensor."""
+def _model_class(state: dict[str, torch.Tensor], config, keep_heads: bool):
+    """The model that keeps what SRC is: its task head always (question answering, token or
+    sequence classification; `architectures` in config.json tells the two classifications
+    apart), its pretraining heads with `keep_heads` (BertForPreTraining, or BertForMaskedLM
+    with the MLM head only), else BertModel with or without a pooler."""
     from bert_port import BertModel
     from bert_port import checkpoint as ckpt
+    from bert_port import heads
+    from bert_port.classifier import BertForSequenceClassification
 
     keys = [ckpt.normalize_hf_key(k) for k in state]
-    if any(k.startswith("classifier.") for k in keys):
-        from bert_port.classifier import BertForSequenceClassification
 
-        return BertForSequenceClassification, {}
-    return BertModel, {"add_pooling_layer": any(k.startswith("pooler.") for k in keys)}
+    def has(prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in keys)
+
+    if has("qa_outputs."):
+        return heads.BertForQuestionAnswering, {}
+    if has("classifier."):
+        token = "BertForTokenClassification" in (config.extra.get("architectures") or [])
+        return (heads.BertForTokenClassification if token else BertForSequenceClassification), {}
+    if keep_heads and has("cls.predictions."):
+        return (heads.BertForPreTraining if has("cls.seq_relationship.") else heads.BertForMaskedLM), {}
+    return BertModel, {"add_pooling_layer": has("pooler.")}
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,7 +122,7 @@ def convert(args: argparse.Namespace) -> int:
     config = BertConfig.from_json_file(files.config_file)
     state = ckpt.read_weights(files.weights_file)
     ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
-    cls, init_kwargs = _model_class(state)
+    cls, init_kwargs = _model_class(state, config, args.keep_heads)
     with torch.device("meta"):
         model = cls(config, **init_kwargs)
     model.load_hf_state_dict(
@@ -136,7 +154,10 @@ def convert(args: argparse.Namespace) -> int:
         f"{len(prefixed)} with a wrapper prefix stripped)"
     )
     dropped, buffers = info["dropped"], info["buffers"]
-    print(f"dropped:   {len(dropped)} pretraining-head tensors" + (f": {_names(dropped)}" if dropped else ""))
+    print(
+        f"dropped:   {len(dropped)} pretraining-head tensors"
+        + (f": {_names(dropped)} (--keep-heads keeps them)" if dropped else "")
+    )
     print(f"skipped:   {len(buffers)} buffers" + (f": {_names(buffers)}" if buffers else ""))
     if info["unused"]:
         print(f"unused:    {_names(info['unused'])}")
