@@ -260,7 +260,6 @@ def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
     assert_bitwise(outputs_on_real_tokens(BertModel.from_pretrained(tmp_path / "dst", **EXACT), batch), expected)
 
 
-
 def _hf_load_as(cls_name: str, directory: Path):
     """transformers' `cls_name` from `directory`, with nothing missing, left over or mismatched."""
     import transformers

@@ -68,9 +68,8 @@ def _model_class(state: dict[str, torch.Tensor], config, keep_heads: bool):
     sequence classification; `architectures` in config.json tells the two classifications
     apart), its pretraining heads with `keep_heads` (BertForPreTraining, or BertForMaskedLM
     with the MLM head only), else BertModel with or without a pooler."""
-    from bert_port import BertModel
+    from bert_port import BertModel, heads
     from bert_port import checkpoint as ckpt
-    from bert_port import heads
     from bert_port.classifier import BertForSequenceClassification
 
     keys = [ckpt.normalize_hf_key(k) for k in state]
