@@ -46,7 +46,7 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     - fp32: two `bmm` and a softmax per sequence (`_math_attention`), in inference and in
       training. The CPU flash kernel is slower on sequences this short (per call on 12
       heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63), and fp32 scores
-      lose nothing; its backward is two more `bmm` (a fine-tuning step: 1.10x the padded
+      lose nothing; its backward is two more `bmm` (a fine-tuning step: 1.13x the padded
       call below).
     - bf16/fp16 inference: the flash kernel per sequence (`_flash_attention`), faster there
       (94 against 164 us at L=29) and with scores and softmax kept in fp32.
