@@ -43,8 +43,8 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     the context in every layer. Which kernel, measured on MR batches (about half padding)
     with MiniLM on a 2-core Xeon:
 
-    - fp32: two `bmm` and a softmax per sequence (`_math_attention`), in inference and in
-      training. The CPU flash kernel is slower on sequences this short (per call on 12
+    - fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
+      inference and in training. The CPU flash kernel is slower on sequences this short (per call on 12
       heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63), and fp32 scores
       lose nothing; its backward is two more `bmm` (a fine-tuning step: 1.13x the padded
       call below).
@@ -55,11 +55,13 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
       per sequence made a fine-tuning step 0.53x transformers' speed; on CUDA, a kernel
       launch per sequence).
     """
-    if qkv.is_cuda or (qkv.dtype != torch.float32 and torch.is_grad_enabled() and qkv.requires_grad):
+    half = qkv.dtype in (torch.float16, torch.bfloat16)
+    if qkv.is_cuda or (half and torch.is_grad_enabled() and qkv.requires_grad):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    attend = _math_attention if qkv.dtype == torch.float32 else _flash_attention
+    attend = _flash_attention if half else _math_attention  # float64 too: the math path
     N, three_h = qkv.shape
-    q, k, v = qkv.view(N, 3, num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
+    head_size = three_h // (3 * num_heads)
+    q, k, v = qkv.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
     per_sequence = zip(*(t.split(packing.seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
     contexts = [attend(*qkv_i, scale, dropout_p).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
     return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows

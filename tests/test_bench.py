@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOL
+from conftest import assert_bitwise
 
 from bert_port import BertConfig
 from bert_port.bench.harness import Report, config_override, model_flops, mr_texts, native_bf16, run_module
@@ -131,13 +131,18 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0
 
 
-def test_cpu_peers_run_in_a_process_of_their_own(minilm_path, hf_reference, tmp_path):
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the child's /proc/PID/maps")
+def test_cpu_peers_run_in_a_process_of_their_own(minilm_path, tmp_path):
     """CTranslate2 runs in `peer_worker.py`, a child without torch (in torch's process it
     would bind torch's libgomp and slow the torch rows down), returns the hidden state for
-    the parity pass and nothing for the timed calls, reports its failures and exits with
-    the bench."""
-    pytest.importorskip("ctranslate2")
+    the parity pass (the very values CTranslate2 gives in this process) and nothing for the
+    timed calls, reports its failures, and exits with the bench; a child that dies fails its
+    row with its exit code."""
+    ct2 = pytest.importorskip("ctranslate2")
     import contextlib
+    import signal
+
+    import numpy as np
 
     from bert_port import encode, load_tokenizer
     from bert_port.bench.peers import PeerProcess, ctranslate2_rows
@@ -147,18 +152,28 @@ def test_cpu_peers_run_in_a_process_of_their_own(minilm_path, hf_reference, tmp_
     with contextlib.ExitStack() as stack:
         worker = PeerProcess(stack)
         rows = ctranslate2_rows(minilm_path, tmp_path, cpu, 1, worker)
-        fp32 = next(forward for name, forward in rows.items() if name.endswith("fp32"))
-        got = fp32(batch)
+        fp32 = next(row for name, row in rows.items() if name.endswith("fp32"))
+        got = fp32.forward(batch)
         assert fp32.timed(batch) is None
         maps = Path(f"/proc/{worker.process.pid}/maps").read_text()
         assert "libctranslate2" in maps and "libtorch" not in maps
+        options = {"path": str(tmp_path / "nothing"), "compute_type": "float32", "threads": 1}
         with pytest.raises(RuntimeError, match="in the peer process"):
-            worker.build(
-                "broken", "ctranslate2", {"path": str(tmp_path / "nothing"), "compute_type": "float32", "threads": 1}
-            )
+            worker.build("broken", "ctranslate2", options)
         assert fp32.timed(batch) is None  # a failed build leaves the process serving
     assert worker.process.returncode == 0
-    with torch.no_grad():
-        expected = hf_reference(**batch).last_hidden_state
-    real = batch["attention_mask"].bool()[:, : got.shape[1]]
-    torch.testing.assert_close(got[real], expected[:, : got.shape[1]][real], **TOL[torch.float32])
+    # What comes back is CTranslate2's hidden state, bit for bit (one thread: deterministic).
+    encoder = ct2.Encoder(str(tmp_path / "ctranslate2"), device="cpu", compute_type="float32", intra_threads=1)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    ids = [row[:n] for row, n in zip(batch["input_ids"].tolist(), lengths)]
+    types = [row[:n] for row, n in zip(batch["token_type_ids"].tolist(), lengths)]
+    expected = torch.from_numpy(np.asarray(encoder.forward_batch(ids, token_type_ids=types).last_hidden_state))
+    assert_bitwise(got, expected)
+
+    with contextlib.ExitStack() as stack:  # a child that dies: its row fails, cleanly
+        worker = PeerProcess(stack)
+        row = ctranslate2_rows(minilm_path, tmp_path, cpu, 1, worker)[next(iter(rows))]
+        worker.process.send_signal(signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=f"exited with code {-signal.SIGKILL}"):
+            row.forward(batch)
+    assert worker.process.stdout.closed

@@ -291,6 +291,32 @@ def test_convert_without_keep_heads_says_how_to_keep_them(tmp_path, capsys):
     _legacy_tiny(tmp_path / "src", legacy_pickle=False)
     assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     assert "(--keep-heads keeps them)" in capsys.readouterr().out
+    # An NSP head alone is not kept by the flag either, and the report does not offer it.
+    source = hf_model(TINY, "BertForNextSentencePrediction")
+    source.save_pretrained(tmp_path / "nsp")
+    assert convert_main([str(tmp_path / "nsp"), str(tmp_path / "nsp-dst"), "--keep-heads"]) == 0
+    report = capsys.readouterr().out
+    assert "model:     BertModel" in report and "dropped:   2 pretraining-head tensors" in report
+    assert "--keep-heads keeps them" not in report
+
+
+def test_convert_tells_a_token_classifier_by_its_missing_pooler(tmp_path, capsys):
+    """Without `architectures` in config.json, a classifier without a pooler is a token
+    classifier (transformers' sequence classifier always has one); a multiple-choice head,
+    which the port lacks, is refused by name."""
+    source = hf_model({**TINY, "num_labels": 3}, "BertForTokenClassification")
+    source.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    assert "model:     BertForTokenClassification" in capsys.readouterr().out
+    _hf_load_as("BertForTokenClassification", tmp_path / "dst")
+
+    hf_model(TINY, "BertForMultipleChoice").save_pretrained(tmp_path / "mc")
+    assert convert_main([str(tmp_path / "mc"), str(tmp_path / "mc-dst")]) == 2
+    assert "BertForMultipleChoice checkpoint, whose head the port does not have" in capsys.readouterr().err
+    assert not (tmp_path / "mc-dst").exists()
 
 
 @pytest.mark.parametrize("cls_name", ["BertForTokenClassification", "BertForQuestionAnswering", "BertForMaskedLM"])

@@ -89,21 +89,26 @@ def test_the_layer_body_is_what_runs(tiny_config):
 # -- parity -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # two bmm / the flash kernel
-def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype, monkeypatch):
     """On the CPU, attention runs on each sequence's real tokens: in fp32 (two bmm) with or
-    without autograd, in bf16 (the flash kernel) in inference; bf16 training runs one padded
-    SDPA call over the packed rows. All attend within each sequence only, holes in the mask
-    included, and give the padded call's values and gradients."""
-    from bert_port.attention import _padded_sdpa_of_packed, packed_attention
+    without autograd, in bf16/fp16 (the flash kernel) in inference; bf16/fp16 training runs
+    one padded SDPA call over the packed rows. All attend within each sequence only, holes
+    in the mask included, and give the padded call's values and gradients."""
+    from bert_port import attention
 
+    padded_calls = []
+    padded_call = attention._padded_sdpa_of_packed
+    monkeypatch.setattr(attention, "_padded_sdpa_of_packed", lambda *a: padded_calls.append(1) or padded_call(*a))
     H, nh = tiny_config["hidden_size"], tiny_config["num_attention_heads"]
     packing = pack(_holes_batch(tiny_config["vocab_size"])["attention_mask"])
     qkv = torch.randn(packing.num_tokens, 3 * H, dtype=dtype, requires_grad=True)
     with torch.no_grad():
-        inference = packed_attention(qkv, packing, nh, 0.5)
-    training = packed_attention(qkv, packing, nh, 0.5)  # autograd records
-    padded = _padded_sdpa_of_packed(qkv, packing, nh, 0.5, 0.0)
+        inference = attention.packed_attention(qkv, packing, nh, 0.5)
+    assert not padded_calls  # per sequence
+    training = attention.packed_attention(qkv, packing, nh, 0.5)  # autograd records
+    assert len(padded_calls) == (0 if dtype == torch.float32 else 1)
+    padded = padded_call(qkv, packing, nh, 0.5, 0.0)
     assert training.requires_grad and not inference.requires_grad
     for got in (inference, training):
         torch.testing.assert_close(got, padded, **TOL[dtype])
@@ -118,6 +123,19 @@ def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype):
         expected = F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(0, 1).reshape(n, H)
         torch.testing.assert_close(inference[start : start + n], expected, **TOL[dtype])
         start += n
+
+
+def test_per_sequence_attention_drops_out_probabilities(tiny_config):
+    """Dropout acts on the attention probabilities, as SDPA's does: p=1 drops them all (a
+    zero context), p=0.5 keeps about half the mass, scaled by 2 (a context that differs)."""
+    from bert_port.attention import packed_attention
+
+    H, nh = tiny_config["hidden_size"], tiny_config["num_attention_heads"]
+    packing = pack(_holes_batch(tiny_config["vocab_size"])["attention_mask"])
+    qkv = torch.randn(packing.num_tokens, 3 * H)
+    assert torch.equal(packed_attention(qkv, packing, nh, 0.5, dropout_p=1.0), torch.zeros(packing.num_tokens, H))
+    kept = packed_attention(qkv, packing, nh, 0.5)
+    assert not torch.allclose(packed_attention(qkv, packing, nh, 0.5, dropout_p=0.5), kept)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "varlen"])  # varlen: SDPA on packed rows on the CPU

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,21 @@ class Report:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
         return path
+
+
+Forward = Callable[[dict[str, Tensor]], Tensor]
+REFERENCE = "transformers (sdpa), fp32"
+
+
+@dataclass
+class Row:
+    """A timed variant: `forward` gives the last hidden state; `baseline` names the row
+    it is compared with at the same precision; `timed`, when set, is what the timing loop
+    calls instead of `forward` (a peer in its own process need not send its output back)."""
+
+    forward: Forward
+    baseline: str = REFERENCE
+    timed: Callable[[dict[str, Tensor]], object] | None = None
 
 
 def progress(iterable: Iterable, desc: str, total: int | None = None):

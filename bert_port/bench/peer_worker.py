@@ -15,16 +15,25 @@ loads it globally first), and its encoder thread starts a second OpenMP team in 
 runtime. With more OpenMP threads than CPUs, libgomp stops spinning and parks every thread on
 a futex between parallel regions, for torch's team too. Measured on a 2-core Xeon, the port
 ran 1.17-1.40 s per pass after one CTranslate2 call against 0.86-1.19 s before (33k context
-switches against 0.5k). ONNX Runtime's own spinning pool would likewise take CPU from the next
-row. Neither happens to a user who runs one library, so each peer runs as its users run it.
+switches against 0.5k), which no user running one library sees. So each peer runs in a
+process of its own, as its users run it. (Threads that spin for a moment after a call,
+libgomp's or ONNX Runtime's, still take the cores from the next row, whichever process it runs
+in; with the rows in a shuffled order, that falls on every row.)
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import traceback
+from typing import BinaryIO
+
+if __name__ == "__main__":
+    # Run as a script, this folder comes first on sys.path, where harness.py, load.py, ...
+    # would shadow any top-level module of the same name that the peers import.
+    sys.path.pop(0)
 
 import numpy as np
 
@@ -35,7 +44,8 @@ def ctranslate2_forward(path: str, compute_type: str, threads: int):
     encoder = ctranslate2.Encoder(path, device="cpu", compute_type=compute_type, intra_threads=threads)
 
     def forward(batch: dict[str, np.ndarray]) -> np.ndarray:
-        # The real tokens of each sequence, as a CTranslate2 user passes them (it pads itself).
+        # The real tokens of each sequence, as a CTranslate2 user passes them (it pads itself);
+        # as in peers._ctranslate2_cuda_forward (this file cannot import the package): change both.
         lengths = batch["attention_mask"].sum(1).tolist()
         ids = [row[:n] for row, n in zip(batch["input_ids"].tolist(), lengths)]
         types = [row[:n] for row, n in zip(batch["token_type_ids"].tolist(), lengths)]
@@ -56,7 +66,7 @@ def onnxruntime_forward(path: str, threads: int):
 BUILDERS = {"ctranslate2": ctranslate2_forward, "onnxruntime": onnxruntime_forward}
 
 
-def serve(requests, replies) -> None:
+def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     forwards = {}
     while True:
         try:
@@ -79,6 +89,8 @@ def serve(requests, replies) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C is the bench's to handle: it closes our stdin, and we return.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # stdout is the reply channel: whatever a library prints goes to stderr instead.
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

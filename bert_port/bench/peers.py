@@ -1,50 +1,51 @@
 """The peers a user would pick instead of the port for a fast BERT: CTranslate2 (fp32 and
 int8), ONNX Runtime (fp32, on a model exported from transformers) and sentence-transformers.
 
-Each builder returns forward functions that take a padded batch (the dict `bert_port.encode`
-gives) and return the last hidden state as a (B, T', H) float tensor, T' <= T (CTranslate2
-returns only up to the longest real sequence). A peer that is not installed is left out,
+Each builder returns rows (`harness.Row`) whose forward takes a padded batch (the dict
+`bert_port.encode` gives) and returns the last hidden state as a (B, T', H) float tensor,
+T' <= T (CTranslate2 returns only up to the longest real sequence). A peer that is not installed is left out,
 with a line saying which `pip install` brings it; the bench goes on without it.
 
-On the CPU, CTranslate2 and ONNX Runtime run in a process of their own (`PeerProcess`,
-`peer_worker.py` says why); their forward functions carry a `timed` variant that the bench
-times, which leaves the hidden state in that process.
+On the CPU, CTranslate2 and ONNX Runtime each run in a process of their own (`PeerProcess`,
+`peer_worker.py` says why); their rows carry a `timed` call for the bench to time, which
+leaves the hidden state in that process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 import pickle
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from bert_port.extras import MissingExtra, install_hint, require
 
+from .harness import Forward, Row
+
 log = logging.getLogger(__name__)
 
-Forward = Callable[[dict[str, Tensor]], Tensor]
 NAMES = ("input_ids", "attention_mask", "token_type_ids")
 WORKER = Path(__file__).with_name("peer_worker.py")
 
 
 class PeerProcess:
-    """`peer_worker.py` in a child process: CPU peers built and run there, each call timed
-    here as a row of the bench (the request and a small reply cross a pipe; the hidden state
-    comes back only for the parity pass). Started on the first `build`, ended by `stack`."""
+    """`peer_worker.py` in a child process: one CPU peer built and run there, each call
+    timed here as a row of the bench (the request and a small reply cross a pipe; the hidden
+    state comes back only for the parity pass). Started on the first `build`, ended by
+    `stack`; a child that dies or hangs fails its rows, never the bench."""
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self.stack = stack
         self.process: subprocess.Popen | None = None
 
-    def build(self, name: str, kind: str, options: dict) -> Forward:
+    def build(self, name: str, kind: str, options: dict[str, Any]) -> Row:
         if self.process is None:
             self.process = subprocess.Popen(
                 [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
@@ -52,38 +53,54 @@ class PeerProcess:
             self.stack.callback(self.close)
         self._ask(("build", name, kind, options))
 
-        def forward(batch: dict[str, Tensor], want_output: bool = True) -> Tensor | None:
-            feeds = {n: batch[n].cpu().numpy() for n in NAMES}
-            hidden = self._ask(("run", name, feeds, want_output))
-            return None if hidden is None else torch.from_numpy(hidden)
+        def forward(batch: dict[str, Tensor]) -> Tensor:
+            return torch.from_numpy(self._ask(("run", name, _feeds(batch), True)))
 
-        forward.timed = functools.partial(forward, want_output=False)  # what the bench times
-        return forward
+        def timed(batch: dict[str, Tensor]) -> None:  # the same call, the output left there
+            self._ask(("run", name, _feeds(batch), False))
 
-    def _ask(self, message):
-        pickle.dump(message, self.process.stdin)
-        self.process.stdin.flush()
+        return Row(forward, timed=timed)
+
+    def _ask(self, message: tuple) -> Any:
         try:
+            pickle.dump(message, self.process.stdin)
+            self.process.stdin.flush()
             status, reply = pickle.load(self.process.stdout)
-        except EOFError:
-            raise RuntimeError(f"the peer process exited with code {self.process.wait()}") from None
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+            code = self._end()
+            raise RuntimeError(f"the peer process exited with code {code} (its stderr is above)") from None
         if status != "ok":
             raise RuntimeError(f"in the peer process:\n{reply}")
         return reply
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()  # end of input: the child returns
+        self._end()
+
+    def _end(self) -> int:
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process.stdout.close()
+        return code
+
+
+def _feeds(batch: dict[str, Tensor]) -> dict[str, Any]:
+    return {n: batch[n].cpu().numpy() for n in NAMES}
 
 
 def ctranslate2_rows(
     model_dir: Path, workdir: Path, device: torch.device, threads: int, worker: PeerProcess | None
-) -> dict[str, Forward]:
+) -> dict[str, Row]:
     """CTranslate2 encoders, fp32 and int8 weights, converted from the checkpoint with its
     own transformers converter. They get the real tokens of each sequence (CTranslate2
     pads internally), as a CTranslate2 user would pass them. On the CPU they run in
-    `worker`, a process of their own (peer_worker.py says why)."""
+    `worker`, a process of their own (peer_worker.py says why); on CUDA here."""
     ct2 = require("ctranslate2")
+    _check_worker(worker, device)
     out = workdir / "ctranslate2"
     ct2.converters.TransformersConverter(str(model_dir)).convert(str(out), force=True)
     int8 = "int8" if device.type == "cpu" else "int8_float16"
@@ -95,13 +112,13 @@ def ctranslate2_rows(
             rows[name] = worker.build(name, "ctranslate2", options)
         else:
             encoder = ct2.Encoder(str(out), device=device.type, compute_type=compute_type, intra_threads=threads)
-            rows[name] = _ctranslate2_forward(encoder, device)
+            rows[name] = Row(_ctranslate2_cuda_forward(encoder, device))
     return rows
 
 
-def _ctranslate2_forward(encoder, device: torch.device) -> Forward:
-    """In this process (CUDA: no OpenMP teams to contend)."""
-
+def _ctranslate2_cuda_forward(encoder, device: torch.device) -> Forward:
+    # The real-token lists as in peer_worker.ctranslate2_forward, which cannot import this
+    # (torch-importing) package: change the two together.
     def forward(batch: dict[str, Tensor]) -> Tensor:
         lengths = batch["attention_mask"].sum(1).tolist()
         ids = [row[:n] for row, n in zip(batch["input_ids"].tolist(), lengths)]
@@ -112,13 +129,19 @@ def _ctranslate2_forward(encoder, device: torch.device) -> Forward:
     return forward
 
 
+def _check_worker(worker: PeerProcess | None, device: torch.device) -> None:
+    if (worker is None) != (device.type == "cuda"):
+        raise ValueError(f"a peer runs in a PeerProcess on the CPU and in this process on CUDA, not on {device}")
+
+
 def onnxruntime_rows(
     reference, workdir: Path, device: torch.device, threads: int, worker: PeerProcess | None
-) -> dict[str, Forward]:
+) -> dict[str, Row]:
     """ONNX Runtime on transformers' model exported with `torch.onnx.export(dynamo=True)`,
     dynamic batch and length, fp32; on the CPU in `worker`, a process of its own."""
     ort = require("onnxruntime")
     require("onnxscript")
+    _check_worker(worker, device)
     path = workdir / "transformers.onnx"
     example = _example_batch(reference.config.vocab_size)
     batch_dim, seq_dim = (
@@ -145,10 +168,9 @@ def onnxruntime_rows(
     session = ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"])
 
     def forward(batch: dict[str, Tensor]) -> Tensor:
-        feeds = {n: batch[n].cpu().numpy() for n in NAMES}
-        return torch.from_numpy(session.run(["last_hidden_state"], feeds)[0])
+        return torch.from_numpy(session.run(["last_hidden_state"], _feeds(batch))[0])
 
-    return {name: forward}
+    return {name: Row(forward)}
 
 
 def _example_batch(vocab_size: int) -> dict[str, Tensor]:
@@ -159,7 +181,7 @@ def _example_batch(vocab_size: int) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
 
 
-def sentence_transformers_rows(model_dir: Path, device: torch.device) -> dict[str, Forward]:
+def sentence_transformers_rows(model_dir: Path, device: torch.device) -> dict[str, Row]:
     """sentence-transformers' module stack on the same checkpoint, up to its token
     embeddings (the transformer's last hidden state, before pooling)."""
     st = require("sentence_transformers")
@@ -168,7 +190,7 @@ def sentence_transformers_rows(model_dir: Path, device: torch.device) -> dict[st
     def forward(batch: dict[str, Tensor]) -> Tensor:
         return model.forward(dict(batch))["token_embeddings"]
 
-    return {f"sentence-transformers {st.__version__}": forward}
+    return {f"sentence-transformers {st.__version__}": Row(forward)}
 
 
 PEERS: dict[str, tuple[str, ...]] = {
@@ -196,17 +218,20 @@ def peer_rows(
     threads: int,
     report,
     stack: contextlib.ExitStack,
-) -> dict[str, Forward]:
-    """Forward functions of every peer asked for that is installed and builds; the others
-    are reported (not installed: the pip install that brings them; failed: why). The CPU
-    peers' process ends with `stack`."""
-    worker = PeerProcess(stack) if device.type == "cpu" else None
+) -> dict[str, Row]:
+    """The rows of every peer asked for that is installed and builds; the others are
+    reported (not installed: the pip install that brings them; failed: why). On the CPU,
+    CTranslate2 and ONNX Runtime each get a process of their own, ended with `stack`."""
+
+    def worker() -> PeerProcess | None:
+        return PeerProcess(stack) if device.type == "cpu" else None
+
     builders = {
-        "ctranslate2": lambda: ctranslate2_rows(model_dir, workdir, device, threads, worker),
-        "onnxruntime": lambda: onnxruntime_rows(reference, workdir, device, threads, worker),
+        "ctranslate2": lambda: ctranslate2_rows(model_dir, workdir, device, threads, worker()),
+        "onnxruntime": lambda: onnxruntime_rows(reference, workdir, device, threads, worker()),
         "sentence-transformers": lambda: sentence_transformers_rows(model_dir, device),
     }
-    rows: dict[str, Forward] = {}
+    rows: dict[str, Row] = {}
     for peer in peers:
         missing = next((m for m in PEERS[peer] if not importable(m)), None)
         if missing:

@@ -15,7 +15,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,20 @@ from torch import Tensor
 
 from bert_port.tolerance import Tolerance, tolerance_for
 
-from .harness import CONFIGS, config_override, interleave, matmul_gflops, model_flops, mr_batches, ratio, sync
+from .harness import (
+    CONFIGS,
+    REFERENCE,
+    Forward,
+    Row,
+    config_override,
+    interleave,
+    matmul_gflops,
+    model_flops,
+    mr_batches,
+    ratio,
+    sync,
+)
 from .peers import peer_rows
-
-Forward = Callable[[dict[str, Tensor]], Tensor]
-REFERENCE = "transformers (sdpa), fp32"
-
-
-@dataclass
-class Row:
-    """A timed variant: `forward` gives the last hidden state; `baseline` names the row
-    it is compared with at the same precision; `timed`, when set, is what the timing loop
-    calls instead of `forward` (a peer in its own process need not send its output back)."""
-
-    forward: Forward
-    baseline: str = REFERENCE
-    timed: Forward | None = None
 
 
 def model_forward(model, autocast: torch.dtype | None = None, **config) -> Forward:
@@ -234,7 +231,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-bench-"))
         threads = torch.get_num_threads()
         peers = peer_rows(args.peers, path, ref, Path(tmp), device, threads, report, stack)
-        rows.update({name: Row(fn, timed=getattr(fn, "timed", None)) for name, fn in peers.items()})
+        rows.update(peers)
         result = {"real_length_mean": float(lens.mean()), "padding_fraction": 1 - real}
         result["fp32"] = time_rows("MiniLM / MR, fp32", rows, reference, batches, ours.config, args, device, report)
     for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name]):

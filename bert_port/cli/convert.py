@@ -21,8 +21,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from bert_port.config import BertConfig
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Loader arguments this command has a flag for: a library error that suggests one of them
@@ -63,11 +67,12 @@ def _holds_checkpoint(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name in ckpt.WEIGHT_NAMES or p.suffix == ".safetensors")
 
 
-def _model_class(state: dict[str, torch.Tensor], config, keep_heads: bool):
+def _model_class(state: dict[str, torch.Tensor], config: BertConfig, keep_heads: bool) -> tuple[type, dict]:
     """The model that keeps what SRC is: its task head always (question answering, token or
-    sequence classification; `architectures` in config.json tells the two classifications
-    apart), its pretraining heads with `keep_heads` (BertForPreTraining, or BertForMaskedLM
-    with the MLM head only), else BertModel with or without a pooler."""
+    sequence classification), its pretraining heads with `keep_heads` (BertForPreTraining,
+    or BertForMaskedLM with the MLM head only), else BertModel with or without a pooler.
+    `architectures` in config.json tells the two classifications apart, or, without it, the
+    pooler: transformers' token classifier has none, its sequence classifier always one."""
     from bert_port import BertModel, heads
     from bert_port import checkpoint as ckpt
     from bert_port.classifier import BertForSequenceClassification
@@ -77,10 +82,13 @@ def _model_class(state: dict[str, torch.Tensor], config, keep_heads: bool):
     def has(prefix: str) -> bool:
         return any(k.startswith(prefix) for k in keys)
 
+    architectures = config.extra.get("architectures") or []
+    if "BertForMultipleChoice" in architectures:
+        raise ValueError("SRC is a BertForMultipleChoice checkpoint, whose head the port does not have")
     if has("qa_outputs."):
         return heads.BertForQuestionAnswering, {}
     if has("classifier."):
-        token = "BertForTokenClassification" in (config.extra.get("architectures") or [])
+        token = "BertForTokenClassification" in architectures or (not architectures and not has("pooler."))
         return (heads.BertForTokenClassification if token else BertForSequenceClassification), {}
     if keep_heads and has("cls.predictions."):
         return (heads.BertForPreTraining if has("cls.seq_relationship.") else heads.BertForMaskedLM), {}
@@ -153,9 +161,12 @@ def convert(args: argparse.Namespace) -> int:
         f"{len(prefixed)} with a wrapper prefix stripped)"
     )
     dropped, buffers = info["dropped"], info["buffers"]
+    # The flag keeps an MLM head (with or without NSP), not an NSP head alone.
+    keepable = not args.keep_heads and any(ckpt.normalize_hf_key(k).startswith("cls.predictions.") for k in dropped)
     print(
         f"dropped:   {len(dropped)} pretraining-head tensors"
-        + (f": {_names(dropped)} (--keep-heads keeps them)" if dropped else "")
+        + (f": {_names(dropped)}" if dropped else "")
+        + (" (--keep-heads keeps them)" if keepable else "")
     )
     print(f"skipped:   {len(buffers)} buffers" + (f": {_names(buffers)}" if buffers else ""))
     if info["unused"]:
