@@ -39,7 +39,8 @@ class PeerProcess:
     """`peer_worker.py` in a child process: one CPU peer built and run there, each call
     timed here as a row of the bench (the request and a small reply cross a pipe; the hidden
     state comes back only for the parity pass). Started on the first `build`, ended by
-    `stack`; a child that dies or hangs fails its rows, never the bench."""
+    `stack`. A child that dies fails its rows, never the bench; one that does not end within
+    a minute of its input closing is killed."""
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self.stack = stack
