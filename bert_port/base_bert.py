@@ -282,20 +282,27 @@ class BertPreTrainedModel(nn.Module):
             dtype = torch_dtype
         dtype = resolve_dtype(dtype)
         device = resolve_device_map(device, device_map)  # before any file is read
-        files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
-        init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
-        cls._check_overrides(kwargs, config if config is not None else files.config_file)
-        if config is None:
-            config = BertConfig.from_json_file(files.config_file, **kwargs)
-        elif kwargs:
-            runtime = {"attn_implementation": config.attn_implementation, "unpad_inputs": config.unpad_inputs}
-            config = BertConfig.from_dict(config.to_dict(), **{**runtime, **kwargs})
-        state = ckpt.read_weights(files.weights_file)
-        ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
+        directory = ckpt.locate_checkpoint(path, config_file, revision, cache_dir).directory
+        with ckpt.read_snapshot(directory):  # config and weights of one save
+            files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
+            init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cls._init_kwarg_names()}
+            cls._check_overrides(kwargs, config if config is not None else files.config_file)
+            if config is None:
+                config = BertConfig.from_json_file(files.config_file, **kwargs)
+            elif kwargs:
+                runtime = {"attn_implementation": config.attn_implementation, "unpad_inputs": config.unpad_inputs}
+                config = BertConfig.from_dict(config.to_dict(), **{**runtime, **kwargs})
+            weights = ckpt.read_weights(files.weights_file)
+        ckpt.check_layer_count(weights.tensors, config.num_hidden_layers, str(files.weights_file))
         with meta_init():
             model = cls(config, **init_kwargs)
         model.load_hf_state_dict(
-            state, dtype=dtype, device=device, check_finite=check_finite, source=str(files.weights_file)
+            weights.tensors,
+            dtype=dtype,
+            device=device,
+            check_finite=check_finite,
+            source=str(files.weights_file),
+            spans=weights.spans,
         )
         model.source_dir = files.directory
         model.eval()
@@ -332,6 +339,7 @@ class BertPreTrainedModel(nn.Module):
         device: str | torch.device | None = None,
         check_finite: str = "error",
         source: str = "state dict",
+        spans: dict | None = None,
     ) -> list[str]:
         """Load an HF-named state dict strictly. Returns the keys initialised afresh.
 
@@ -409,7 +417,11 @@ class BertPreTrainedModel(nn.Module):
                 self._describe_mismatch(source, name, incoming, expected, missing, unexpected, mismatched, wrong_kind)
             )
         if check_finite != "ignore":
-            bad = ckpt.non_finite({name(k): v for k, v in incoming.items()})
+            spans = spans or {}
+            bad = ckpt.non_finite(
+                {name(k): v for k, v in incoming.items()},
+                {name(k): spans[sources[k]] for k in incoming if sources.get(k) in spans},
+            )
             if bad:
                 msg = f"{source} has non-finite weights: " + "; ".join(bad) + "."
                 if check_finite == "error":

@@ -170,38 +170,69 @@ def test_ctrl_c_at_every_rename_leaves_one_whole_checkpoint(tmp_path):
             assert (outcome, held) == ("completed", "new"), name
 
 
-def test_kill_9_at_every_rename_then_the_next_load_and_save_clean_up(tmp_path):
-    """SIGKILL at the Nth rename cannot be deferred: before the journal lands the folder is
-    the old save; after, the next load finishes the commit. Either way one whole checkpoint,
-    and the next save into the folder removes every temporary the killed one left."""
+def test_kill_9_at_every_rename_then_repair_or_the_next_save_finishes_it(tmp_path):
+    """SIGKILL at the Nth rename cannot be deferred. Before the journal lands the folder is the
+    old save; after, it is half old, half new: a load refuses it, names the repair command and
+    leaves every byte as it was, and `repair` (or the next save) finishes the new save. The next
+    save removes every temporary the killed one left."""
     results = _run_child(tmp_path, {"kind": "kill", "rounds": _rounds()})
-    saw_leftovers = False
+    saw_leftovers = saw_refusals = False
     for name, outcome in results.items():
         layout, at = name.rsplit("-", 1)
         directory = tmp_path / name
         assert outcome == ("killed" if int(at) <= _RENAMES[layout] else "completed"), name
         saw_leftovers |= bool(_temporaries(directory))
+        if (directory / ckpt.JOURNAL).is_file():
+            before = _snapshot(directory)
+            with pytest.raises(CheckpointError, match=f"interrupted after its commit point.*{ckpt.REPAIR_COMMAND}"):
+                BertModel.from_pretrained(directory)
+            assert _snapshot(directory) == before, f"{name}: a load wrote into the folder"
+            assert "finished a save" in ckpt.repair(directory)
+            saw_refusals = True
         held = _which_save(directory, tmp_path)
         assert held == ("old" if int(at) == 1 else "new"), f"{name}: the journal's rename is the commit point"
         # The next save cleans up what the killed one left.
         ckpt.write_weights(torch.load(tmp_path / "old.pt", weights_only=True), directory)
         assert _temporaries(directory) == [], name
-    assert saw_leftovers  # the kills did leave temporaries behind for the next save to remove
+    assert saw_leftovers and saw_refusals  # the kills did leave work for repair and the next save
 
 
-def test_recovery_needs_write_access_and_says_so(tmp_path, monkeypatch):
-    """A folder with a pending journal that cannot be finished is a CheckpointError, not a
-    silent load of the mix."""
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` (names relative to it) and its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _killed_after_the_commit_point(monkeypatch, directory: Path, model: BertModel) -> None:
+    """Save `model` into `directory`, stopping right after the journal lands (as SIGKILL would)."""
+
+    def stop(*args, **kwargs):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
+    with pytest.raises(SystemExit):
+        model.save_pretrained(directory)
+    monkeypatch.undo()
+    assert (directory / ckpt.JOURNAL).is_file()
+
+
+def test_repair_needs_write_access_and_says_so(tmp_path, monkeypatch):
+    """A folder with a pending journal is a CheckpointError on load, not a silent load of the
+    mix; a repair that cannot write says it needs write access."""
     directory = tmp_path / "ckpt"
-    BertModel(BertConfig(**TINY)).save_pretrained(directory)
-    (directory / ckpt.JOURNAL).write_text(json.dumps({"rename": [], "remove": []}))
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(directory)
+    _killed_after_the_commit_point(monkeypatch, directory, BertModel(BertConfig(**NEW_CONFIG)))
+    with pytest.raises(CheckpointError, match="--repair"):
+        BertModel.from_pretrained(directory)
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(ckpt.files, "_apply_journal", refuse)
-    with pytest.raises(CheckpointError, match="interrupted after it committed.*write access"):
-        BertModel.from_pretrained(directory)
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", refuse)
+    with pytest.raises(CheckpointError, match="needs write access"):
+        ckpt.repair(directory)
+    monkeypatch.undo()
+    ckpt.repair(directory)
+    assert BertModel.from_pretrained(directory).config.layer_norm_eps == NEW_CONFIG["layer_norm_eps"]
 
 
 @pytest.mark.parametrize(
@@ -211,20 +242,25 @@ def test_recovery_needs_write_access_and_says_so(tmp_path, monkeypatch):
         {"rename": [], "remove": ["notes.txt"]},
         {"rename": [[".x.abcdefgh.tmp", "../../escape"]], "remove": []},
         {"rename": [["config.json", "model.safetensors"]], "remove": []},
+        {"format": 2, "rename": [[".x.abcdefgh.tmp", "1_Pooling/../../x", [1, 2, 3], None]], "remove": []},
         "not json",
     ],
-    ids=["remove-escape", "remove-user-file", "rename-escape", "rename-non-temporary", "garbage"],
+    ids=["remove-escape", "remove-user-file", "rename-escape", "rename-non-temporary", "folder-escape", "garbage"],
 )
-def test_hostile_journal_is_refused_and_nothing_touched(tmp_path, plan):
+def test_hostile_journal_is_never_obeyed_and_nothing_touched(tmp_path, plan):
+    """A load ignores a journal this package did not write and changes nothing; `repair`
+    removes that one file, unread, and touches nothing else."""
     directory = tmp_path / "ckpt"
     BertModel(BertConfig(**TINY)).save_pretrained(directory)
     (tmp_path / "outside.txt").write_text("keep")
     (directory / "notes.txt").write_text("keep")
     (directory / ckpt.JOURNAL).write_text(plan if isinstance(plan, str) else json.dumps(plan))
-    before = {p.name: p.read_bytes() for p in directory.iterdir()}
-    with pytest.raises(CheckpointError, match="not a commit journal this package wrote"):
-        BertModel.from_pretrained(directory)
-    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    before = _snapshot(directory)
+    BertModel.from_pretrained(directory)
+    assert _snapshot(directory) == before
+    assert "did not write (not obeyed)" in ckpt.repair(directory)
+    del before[ckpt.JOURNAL]
+    assert _snapshot(directory) == before
     assert (tmp_path / "outside.txt").read_text() == "keep"
 
 
@@ -676,7 +712,7 @@ def test_600_random_header_bit_flips_load_or_raise_checkpoint_error(tiny_dir):
         data[bit // 8] ^= 1 << (bit % 8)
         path.write_bytes(bytes(data))
         try:
-            live.load_hf_state_dict(ckpt.read_weights(path), check_finite="ignore")
+            live.load_hf_state_dict(ckpt.read_weights(path).tensors, check_finite="ignore")
             outcomes["loaded"] += 1
         except CheckpointError:
             outcomes["refused"] += 1

@@ -94,7 +94,7 @@ def test_bert_base_layout_round_trip(bert_base_layout, tmp_path):
     fmt = "bin"
     ours = BertModel.from_pretrained(root / fmt, **EXACT)
     ours.save_pretrained(tmp_path)
-    keys = ckpt.read_weights(tmp_path / "model.safetensors").keys()
+    keys = ckpt.read_weights(tmp_path / "model.safetensors").tensors.keys()
     assert not [k for k in keys if k.startswith(("bert.", "cls.")) or k.endswith(("gamma", "beta"))]
 
     batch = random_batch(30522, B=2, T=12)
@@ -252,7 +252,7 @@ def test_convert_legacy_bin_to_clean_safetensors(tmp_path, capsys):
     assert "12 legacy LayerNorm gamma/beta" in report and "verified:" in report
 
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["config.json", "model.safetensors"]
-    keys = set(ckpt.read_weights(tmp_path / "dst" / "model.safetensors"))
+    keys = set(ckpt.read_weights(tmp_path / "dst" / "model.safetensors").tensors)
     assert keys == {k for k in reference.state_dict() if not k.endswith(("position_ids", "token_type_ids"))}
     batch = random_batch(TINY["vocab_size"])
     expected = outputs_on_real_tokens(reference, batch)
@@ -404,11 +404,13 @@ def test_finite_check_of_mapped_weights_sees_in_place_changes_and_replaced_files
     state = {"a": torch.randn(1000, 50), "b": torch.randn(7)}
     ckpt.write_weights(state, tmp_path)
     loaded = ckpt.read_weights(tmp_path / "model.safetensors")
-    assert ckpt.non_finite(loaded) == []
-    loaded["a"][3, 4] = float("nan")  # a private mapping: the file keeps its finite value
-    assert ckpt.non_finite(loaded) == ["a (1 of 50000 values NaN/Inf)"]
+    assert set(loaded.spans) == {"a", "b"}  # the reader says where each mapped tensor lies
+    assert ckpt.non_finite(loaded.tensors, loaded.spans) == []
+    loaded.tensors["a"][3, 4] = float("nan")  # a private mapping: the file keeps its finite value
+    assert ckpt.non_finite(loaded.tensors, loaded.spans) == ["a (1 of 50000 values NaN/Inf)"]
 
     loaded = ckpt.read_weights(tmp_path / "model.safetensors")
     ckpt.write_weights({**state, "b": torch.full((7,), float("inf"))}, tmp_path)  # renamed over it
-    assert ckpt.non_finite(loaded) == []  # the mapped (old) values are finite
-    assert ckpt.non_finite(ckpt.read_weights(tmp_path / "model.safetensors")) == ["b (7 of 7 values NaN/Inf)"]
+    assert ckpt.non_finite(loaded.tensors, loaded.spans) == []  # the mapped (old) values are finite
+    fresh = ckpt.read_weights(tmp_path / "model.safetensors")
+    assert ckpt.non_finite(fresh.tensors, fresh.spans) == ["b (7 of 7 values NaN/Inf)"]

@@ -27,7 +27,7 @@ from conftest import (
     random_batch,
 )
 
-from bert_port import BertModel, CheckpointError, encode, load_tokenizer
+from bert_port import BertConfig, BertModel, CheckpointError, encode, load_tokenizer
 from bert_port import checkpoint as ckpt
 
 # -- model ids from the local HF cache --------------------------------------------------
@@ -222,3 +222,28 @@ def test_snapshot_files_copied_not_linked(tmp_path, monkeypatch, no_network, min
         assert (tmp_path / "out" / name).read_bytes() == (minilm_path / name).read_bytes()
     shutil.rmtree(tmp_path / "hub")  # the saved checkpoint does not depend on the cache
     assert BertModel.from_pretrained(tmp_path / "out").config.hidden_size == 384
+
+
+def test_a_dangling_safetensors_link_is_an_incomplete_download_not_a_fallback(tmp_path, monkeypatch, no_network):
+    """A snapshot whose model.safetensors links to a blob that is gone, beside an older
+    pytorch_model.bin: the load says the download is incomplete instead of quietly reading
+    the stale .bin."""
+    _clear_hf_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    torch.save(BertModel(BertConfig(**TINY)).hf_state_dict(), tmp_path / "pytorch_model.bin")
+    files = {"config.json": tmp_path / "config.json", "pytorch_model.bin": tmp_path / "pytorch_model.bin"}
+    snapshot = _add_to_cache(tmp_path / "hub", "org/dangling", files, "e" * 40)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/" + "0" * 64)  # the blob never arrived
+    with pytest.raises(CheckpointError, match=r"model.safetensors is a link to a file that does not exist.*incomplete"):
+        BertModel.from_pretrained("org/dangling")
+
+
+def test_a_weights_name_that_is_a_folder_is_named_as_such(tmp_path):
+    """model.safetensors that is a folder: the error says so, not "holds no weights ... found
+    ['config.json', 'model.safetensors']"."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors is not a regular file") as err:
+        BertModel.from_pretrained(tmp_path)
+    assert "holds no weights" not in str(err.value)

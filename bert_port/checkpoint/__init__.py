@@ -1,47 +1,24 @@
-"""Checkpoints, in three layers (each imports only the ones above it in this list):
+"""Checkpoints, one job per module. Imports go one way, down this list, and the read side
+(`reading`, `finite`, `locate`) never imports the write side (`staging`): loading never writes.
 
+- `names`: the names of a checkpoint folder's files (pure);
 - `keys`: the HF <-> port key table, key normalisation and the plan of a load (pure);
-- `files`: reading weights, staged all-or-nothing writes, sharding (huggingface_hub), the
-  NaN/Inf check;
-- `locate`: a directory, a weights file, or a model id in the local HF cache
-  (huggingface_hub, never the network) -> the files to read.
+- `locking`: folder locks, exclusive for saves, shared for loads;
+- `journal`: the commit journal of a save, and whether it still describes the folder;
+- `reading`: safetensors, pickles and shard indexes, and the snapshot a load reads under;
+- `finite`: the NaN/Inf check, reading memory-mapped tensors from their files;
+- `locate`: a directory, a weights file, or a model id in the local HF cache -> the files;
+- `staging`: staged all-or-nothing writes, and the cleanup of killed saves (`repair`);
+- `shards`: model weights as `model.safetensors` or shards and an index, staged.
 
-`from bert_port import checkpoint as ckpt; ckpt.X` reaches every public name of the three.
+`from bert_port import checkpoint as ckpt; ckpt.X` reaches every public name.
 """
 
 from __future__ import annotations
 
-from . import files, keys, locate
-from .errors import CheckpointError, short_list
-from .files import (
-    CONFIG_NAME,
-    JOURNAL,
-    PT_INDEX,
-    PT_WEIGHTS,
-    SAFE_INDEX,
-    SAFE_WEIGHTS,
-    ST_CONFIG,
-    ST_FILES,
-    ST_FOLDER,
-    ST_MODULES,
-    TEMPORARY,
-    TOKENIZER_FILES,
-    WEIGHT_NAMES,
-    DirectoryLock,
-    StagedWrite,
-    atomic_write,
-    human_bytes,
-    non_finite,
-    parse_size,
-    read_st_modules,
-    read_weights,
-    recover,
-    st_module_folders,
-    stage_weights,
-    stale_weights,
-    tidy,
-    write_weights,
-)
+from . import finite, journal, keys, locate, locking, names, reading, shards, staging
+from .errors import CheckpointError, human_bytes, short_list
+from .finite import non_finite
 from .keys import (
     BUFFER_KEYS,
     DROPPED_PREFIXES,
@@ -61,6 +38,25 @@ from .keys import (
     port_to_hf,
 )
 from .locate import CheckpointFiles, find_in_hf_cache, hf_cache_dir, is_repo_id, locate_checkpoint
+from .locking import DirectoryLock, shared_lock
+from .names import (
+    CONFIG_NAME,
+    JOURNAL,
+    PT_INDEX,
+    PT_WEIGHTS,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    ST_CONFIG,
+    ST_FILES,
+    ST_FOLDER,
+    ST_MODULES,
+    TEMPORARY,
+    TOKENIZER_FILES,
+    WEIGHT_NAMES,
+)
+from .reading import REPAIR_COMMAND, FileSpan, Weights, read_snapshot, read_st_modules, read_weights, st_module_folders
+from .shards import parse_size, stage_weights, stale_weights, write_weights
+from .staging import StagedWrite, atomic_write, repair, tidy
 
 __all__ = [
     "BUFFER_KEYS",
@@ -72,6 +68,7 @@ __all__ = [
     "PORT_TO_HF",
     "PT_INDEX",
     "PT_WEIGHTS",
+    "REPAIR_COMMAND",
     "SAFE_INDEX",
     "SAFE_WEIGHTS",
     "ST_CONFIG",
@@ -86,33 +83,43 @@ __all__ = [
     "CheckpointFiles",
     "Conversion",
     "DirectoryLock",
+    "FileSpan",
     "Layout",
     "LoadPlan",
     "StagedWrite",
+    "Weights",
     "atomic_write",
     "check_layer_count",
     "detect_layout",
-    "files",
     "find_in_hf_cache",
+    "finite",
     "hf_cache_dir",
     "hf_to_port",
     "human_bytes",
     "is_repo_id",
+    "journal",
     "keys",
     "layer_indices",
     "locate",
     "locate_checkpoint",
+    "locking",
+    "names",
     "non_finite",
     "normalize_hf_key",
     "parse_size",
     "plan_load",
     "port_to_hf",
+    "read_snapshot",
     "read_st_modules",
     "read_weights",
-    "recover",
+    "reading",
+    "repair",
+    "shards",
+    "shared_lock",
     "short_list",
     "st_module_folders",
     "stage_weights",
+    "staging",
     "stale_weights",
     "tidy",
     "write_weights",

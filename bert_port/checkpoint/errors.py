@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 
@@ -40,3 +41,11 @@ def short_list(names: list[str], limit: int = 20) -> str:
     """The first `limit` names, and how many more: an error stays readable however many."""
     shown = ", ".join(names[:limit])
     return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def human_bytes(n: int) -> str:
+    """`n` bytes as `1.5 MiB`."""
+    if n <= 0:
+        return "0 B"
+    k = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .files import CONFIG_NAME, WEIGHT_NAMES, recover
+from .names import CONFIG_NAME, WEIGHT_NAMES
 
 
 @dataclass
@@ -159,6 +159,31 @@ def locate_checkpoint(
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
+def _weights_in(folder: Path, asked: str, cached: bool) -> Path:
+    """The folder's weights file, in `WEIGHT_NAMES`' order of preference. A preferred name
+    that is there but is no readable file (a dangling link, a folder) is an error, not a
+    reason to fall back to a stale file of a lower preference."""
+    where = f"the cached snapshot {folder} of {asked!r}" if cached else str(folder)
+    # A cache snapshot is what a download left: without its weights it is an incomplete one.
+    fix = "The download is incomplete: download the model again" if cached else "Copy the weights file again"
+    for name in WEIGHT_NAMES:
+        candidate = folder / name
+        if candidate.is_file():
+            return candidate
+        if candidate.is_symlink() or candidate.exists():
+            what = (
+                "a link to a file that does not exist"
+                if candidate.is_symlink() and not candidate.exists()
+                else ("not a regular file")
+            )
+            raise CheckpointError(f"{where}: {name} is {what}, so the weights cannot be read. {fix}")
+    present = sorted(x.name for x in folder.iterdir())[:20]
+    raise CheckpointError(
+        f"{where} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}."
+        + (f" {fix}" if cached else "")
+    )
+
+
 def _locate_checkpoint(
     path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str, cache_dir: str | os.PathLike | None
 ) -> CheckpointFiles:
@@ -171,18 +196,8 @@ def _locate_checkpoint(
             p, cached = find_in_hf_cache(path, revision, cache_dir), True
         else:
             raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
-    recover(p if p.is_dir() else p.parent)  # a save killed mid-commit is finished first
     if p.is_dir():
-        weights = next((p / name for name in WEIGHT_NAMES if (p / name).is_file()), None)
-        if weights is None:
-            present = sorted(x.name for x in p.iterdir())[:20]
-            where = f"the cached snapshot {p} of {str(path)!r}" if cached else str(p)
-            # A cache snapshot is what a download left: without weights it is an incomplete one.
-            fix = " The download is incomplete: download the model again" if cached else ""
-            raise CheckpointError(
-                f"{where} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}.{fix}"
-            )
-        directory = p
+        weights, directory = _weights_in(p, str(path), cached), p
     else:
         weights, directory = p, p.parent
     config = Path(config_file) if config_file is not None else directory / CONFIG_NAME

@@ -127,7 +127,7 @@ def convert(args: argparse.Namespace) -> int:
     ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
 
     config = BertConfig.from_json_file(files.config_file)
-    state = ckpt.read_weights(files.weights_file)
+    state = ckpt.read_weights(files.weights_file).tensors
     ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
     cls, init_kwargs = _model_class(state, config, args.keep_heads)
     with torch.device("meta"):
@@ -142,7 +142,7 @@ def convert(args: argparse.Namespace) -> int:
     model.save_pretrained(dst, max_shard_size=args.max_shard_size)
     saved = model.hf_state_dict()
     written = ckpt.locate_checkpoint(dst)
-    reread = ckpt.read_weights(written.weights_file)
+    reread = ckpt.read_weights(written.weights_file).tensors
     same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
 
     renamed = info["renamed"]

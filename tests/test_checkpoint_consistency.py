@@ -1,0 +1,187 @@
+"""A load sees one whole save or fails clearly, and never writes (issue 22).
+
+- Loads in other processes race a writer that alternates two saves and two layouts: every
+  load returns one save whole.
+- A journal planted in a folder is never obeyed by a load, which leaves every byte as it was.
+- A port save killed after its commit point, then transformers' `save_pretrained` into the
+  same folder: the newer files win, for our loads, `repair` and transformers alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY
+
+from bert_port import BertConfig, BertModel
+from bert_port import checkpoint as ckpt
+
+OLD_CONFIG = {**TINY, "layer_norm_eps": 1e-12}
+NEW_CONFIG = {**TINY, "layer_norm_eps": 1e-5}
+RACE_SECONDS = float(os.environ.get("BERT_PORT_RACE_SECONDS", "60"))
+
+# A save is told apart by its config (layer_norm_eps) and by every tensor: the seed fills
+# each weight with one value, so a load holding tensors of two saves is caught.
+_RACE = textwrap.dedent(
+    r"""
+    import json, sys, time
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    from bert_port import BertConfig, BertModel, CheckpointError
+
+    role, folder, seconds = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    configs = json.loads(sys.argv[4])
+
+    def model(i):
+        m = BertModel(BertConfig(**configs[i]))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(float(i + 1))
+        return m
+
+    end, counts = time.monotonic() + seconds, {"loads": 0, "mixed": 0, "saves": 0, "errors": 0}
+    if role == "writer":
+        models = [model(0), model(1)]
+        while time.monotonic() < end:
+            i = counts["saves"] % 2
+            models[i].save_pretrained(folder, max_shard_size="20KB" if counts["saves"] % 3 else "5GB")
+            counts["saves"] += 1
+    else:
+        while time.monotonic() < end:
+            try:
+                m = BertModel.from_pretrained(folder)
+            except CheckpointError as exc:
+                counts["errors"] += 1
+                print(exc, file=sys.stderr)
+                continue
+            values = {p.detach().flatten()[0].item() for p in m.parameters()}
+            expected = {1.0: configs[0]["layer_norm_eps"], 2.0: configs[1]["layer_norm_eps"]}
+            whole = len(values) == 1 and expected.get(values.pop()) == m.config.layer_norm_eps
+            counts["loads"] += 1
+            counts["mixed"] += not whole
+    print(json.dumps(counts))
+    """
+)
+
+
+def _start(role: str, folder: Path, seconds: float) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [sys.executable, "-c", _RACE, role, str(folder), str(seconds), json.dumps([OLD_CONFIG, NEW_CONFIG])]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_loads_in_other_processes_never_see_two_saves(tmp_path):
+    """Two reader processes load while a writer saves two models in turn (single file and
+    shards), for RACE_SECONDS: not one load mixes them, and none fails."""
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
+    writer = _start("writer", tmp_path, RACE_SECONDS)
+    time.sleep(1.0)  # let the writer's first save start
+    readers = [_start("reader", tmp_path, RACE_SECONDS - 1.0) for _ in range(2)]
+    results = []
+    for proc in [writer, *readers]:
+        out, err = proc.communicate(timeout=RACE_SECONDS + 120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.splitlines()[-1]))
+    saves, loads = results[0]["saves"], [r for r in results[1:]]
+    assert saves > 10, results
+    assert all(r["loads"] > 10 for r in loads), results
+    assert [r["mixed"] for r in loads] == [0, 0], results
+    assert [r["errors"] for r in loads] == [0, 0], results
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_planted_journal_is_not_obeyed_by_a_load(tmp_path):
+    """A journal that would rename a planted temporary over model.safetensors: the load
+    returns the folder's own weights, and the folder is byte-identical afterwards."""
+    real = BertModel(BertConfig(**TINY))
+    real.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    planted = BertModel(BertConfig(**TINY))
+    ckpt.write_weights(planted.hf_state_dict(), tmp_path / "elsewhere")
+    tmp = ".model.safetensors.abcdefgh.tmp"
+    (tmp_path / tmp).write_bytes((tmp_path / "elsewhere" / "model.safetensors").read_bytes())
+    plan = {"format": 2, "rename": [[tmp, "model.safetensors", [1, 2, 3], None]], "remove": [["vocab.txt", [4, 5, 6]]]}
+    (tmp_path / ckpt.JOURNAL).write_text(json.dumps(plan))
+    before = _snapshot(tmp_path)
+    loaded = BertModel.from_pretrained(tmp_path)
+    assert _snapshot(tmp_path) == before
+    for (k, v), (_, w) in zip(loaded.state_dict().items(), real.state_dict().items(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+    # Repair drops the journal but not the planted file: no save of ours staged it.
+    assert "written by another tool since" in ckpt.repair(tmp_path)
+    assert (tmp_path / tmp).is_file() and not (tmp_path / ckpt.JOURNAL).exists()
+
+
+def test_a_foreign_save_after_a_killed_port_save_is_kept(tmp_path, monkeypatch):
+    """Port save killed after its commit point, then transformers saves into the folder: our
+    load reads transformers' save and writes nothing; repair keeps its files (removing only our
+    own temporaries); transformers still loads the folder."""
+    import transformers
+
+    from bert_port.reference import random_hf_model
+
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
+
+    def stop(*args, **kwargs):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
+    with pytest.raises(SystemExit):
+        BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(tmp_path)
+    monkeypatch.undo()
+    ours = sorted(p.name for p in tmp_path.iterdir() if ckpt.TEMPORARY.fullmatch(p.name))
+    assert ours, "the killed save left its staged files"
+
+    foreign = random_hf_model({**TINY, "layer_norm_eps": 1e-7}, seed=3)
+    time.sleep(0.01)  # a later mtime even on coarse-clocked filesystems
+    foreign.save_pretrained(tmp_path)
+    before = {n: b for n, b in _snapshot(tmp_path).items() if n in ("config.json", "model.safetensors")}
+
+    loaded = BertModel.from_pretrained(tmp_path)
+    assert loaded.config.layer_norm_eps == 1e-7
+    torch.testing.assert_close(
+        loaded.hf_state_dict()["embeddings.word_embeddings.weight"],
+        foreign.state_dict()["embeddings.word_embeddings.weight"],
+        atol=0,
+        rtol=0,
+    )
+    assert "written by another tool since" in ckpt.repair(tmp_path)
+    after = _snapshot(tmp_path)
+    assert {n: after[n] for n in before} == before
+    assert not [n for n in ours if (tmp_path / n).exists()]
+    assert transformers.BertModel.from_pretrained(str(tmp_path)).config.layer_norm_eps == 1e-7
+
+
+def test_staged_writes_delete_only_their_own_temporaries(tmp_path):
+    """A hidden file that looks like a temporary is someone else's: a save beside it, and a
+    save after a killed one, leave it alone; the killed save's own temporaries go."""
+    theirs = tmp_path / ".notes.abcdefgh.tmp"
+    theirs.write_text("mine")
+    with ckpt.atomic_write(tmp_path / "preds.csv") as tmp:
+        tmp.write_text("a,b\n")
+    stage = ckpt.StagedWrite(tmp_path)
+    staged = stage.path("config.json")  # then the process "dies": no commit, no discard
+    ckpt.StagedWrite.active.clear()
+    stage._lock.release()
+    with ckpt.atomic_write(tmp_path / "preds.csv") as tmp:
+        tmp.write_text("c,d\n")
+    assert theirs.read_text() == "mine"
+    assert not staged.exists()
+    assert (tmp_path / "preds.csv").read_text() == "c,d\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.abcdefgh.tmp", "preds.csv"]
