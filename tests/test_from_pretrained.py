@@ -79,7 +79,7 @@ def test_transformers_loader_keywords(minilm_path):
     import transformers
 
     from bert_port import SentenceEncoder
-    from bert_port.base_bert import UNSUPPORTED_LOADER_ARGUMENTS
+    from bert_port.loading import UNSUPPORTED_LOADER_ARGUMENTS
 
     ours = BertModel.from_pretrained(minilm_path, local_files_only=True, **EXACT)
     reference = transformers.BertModel.from_pretrained(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from bert_port.base_bert import BertPreTrainedModel
     from bert_port.config import BertConfig
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -108,43 +109,33 @@ def _names(keys: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def convert(args: argparse.Namespace) -> int:
-    from bert_port import BertConfig
-    from bert_port import checkpoint as ckpt
-
-    dst = Path(args.dst).expanduser()
-    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
-    if dst.exists() and dst.resolve() == files.directory.resolve():
-        print(f"error: DST {dst} is the source directory; write to a new directory", file=sys.stderr)
-        return 2
+def _refusal(dst: Path, source_dir: Path, overwrite: bool) -> str | None:
+    """Why DST may not be written, or None."""
+    if dst.exists() and dst.resolve() == source_dir.resolve():
+        return f"DST {dst} is the source directory; write to a new directory"
     existing = _holds_checkpoint(dst)
-    if existing and not args.overwrite:
-        print(
-            f"error: {dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it",
-            file=sys.stderr,
-        )
-        return 2
-    ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
+    if existing and not overwrite:
+        return f"{dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it"
+    return None
+
+
+def _load(args: argparse.Namespace, files) -> BertPreTrainedModel:
+    """SRC as the port model that keeps what it is, loaded as `from_pretrained` loads."""
+    from bert_port import BertConfig, loading
 
     config = BertConfig.from_json_file(files.config_file)
-    state = ckpt.read_weights(files.weights_file)
-    ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
+    state = loading.read_checkpoint(files, config)
     cls, init_kwargs = _model_class(state, config, args.keep_heads)
-    with torch.device("meta"):
-        model = cls(config, **init_kwargs)
-    model.load_hf_state_dict(
-        state, dtype=DTYPES[args.dtype], check_finite=args.check_finite, source=str(files.weights_file)
+    return loading.build_and_load(
+        cls, config, state, files, init_kwargs=init_kwargs, dtype=DTYPES[args.dtype], check_finite=args.check_finite
     )
-    model.source_dir = files.directory
-    info = model.loading_info
-    del state
 
-    model.save_pretrained(dst, max_shard_size=args.max_shard_size)
-    saved = model.hf_state_dict()
-    written = ckpt.locate_checkpoint(dst)
-    reread = ckpt.read_weights(written.weights_file)
-    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
 
+def _report(model: BertPreTrainedModel, files, dst: Path, saved: dict, keep_heads: bool) -> None:
+    from bert_port import checkpoint as ckpt
+    from bert_port import saving
+
+    info, config = model.loading_info, model.config
     renamed = info["renamed"]
     legacy = [k for k in renamed if k.endswith(("LayerNorm.gamma", "LayerNorm.beta"))]
     prefixed = [k for k in renamed if k.startswith(ckpt.WRAPPER_PREFIXES)]
@@ -162,7 +153,7 @@ def convert(args: argparse.Namespace) -> int:
     )
     dropped, buffers = info["dropped"], info["buffers"]
     # The flag keeps an MLM head (with or without NSP), not an NSP head alone.
-    keepable = not args.keep_heads and any(ckpt.normalize_hf_key(k).startswith("cls.predictions.") for k in dropped)
+    keepable = not keep_heads and any(ckpt.normalize_hf_key(k).startswith("cls.predictions.") for k in dropped)
     print(
         f"dropped:   {len(dropped)} pretraining-head tensors"
         + (f": {_names(dropped)}" if dropped else "")
@@ -174,10 +165,33 @@ def convert(args: argparse.Namespace) -> int:
     if info["newly_initialized"]:
         print(f"new:       {_names(info['newly_initialized'])} (initialised afresh: not in the source)")
     print(f"written:   {dst}: {', '.join(out_files)}")
-    st_files, st_folders = model.sentence_transformers_files()
+    st_files, st_folders = saving.sentence_transformers_files(model)
     if st_files:  # a sentence-transformers folder stays one: SentenceTransformer(DST) pools as SRC did
         print(f"copied:    sentence-transformers files from SRC: {', '.join(st_files + [f + '/' for f in st_folders])}")
     print(f"tensors:   {len(saved)}, {ckpt.human_bytes(nbytes)}, {str(model.dtype).removeprefix('torch.')}")
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Load SRC and save it to DST with the library's own loading and saving functions, then
+    read DST back and compare it bit for bit with what was saved."""
+    from bert_port import checkpoint as ckpt
+    from bert_port import saving
+
+    dst = Path(args.dst).expanduser()
+    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
+    refusal = _refusal(dst, files.directory, args.overwrite)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
+
+    model = _load(args, files)
+    saving.save_pretrained(model, dst, max_shard_size=args.max_shard_size)
+    saved = saving.hf_state_dict(model)
+    written = ckpt.locate_checkpoint(dst)
+    reread = ckpt.read_weights(written.weights_file)
+    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
+    _report(model, files, dst, saved, args.keep_heads)
     if not same:
         print(f"FAILED: {written.weights_file} does not read back identically to what was saved", file=sys.stderr)
         return 1
