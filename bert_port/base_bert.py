@@ -156,9 +156,10 @@ class BertPreTrainedModel(nn.Module):
         follows, tied output embeddings (the MLM decoder and its bias) are resized with it.
 
         New rows: with `mean_resizing` the mean of the old rows (new output-bias entries are
-        zero, as transformers 5 leaves them for a tied decoder). transformers samples them from a normal around that mean with covariance 1e-9 times the
-        old rows' (a spread of about 3e-5 of theirs), so its rows differ from ours by that noise;
-        ours are deterministic. Without it, N(0, initializer_range) as a fresh model's.
+        zero, as transformers 5 leaves them for a tied decoder). transformers samples them from
+        a normal around that mean with covariance 1e-9 times the old rows', so its rows differ
+        from ours by that small noise; ours are deterministic. Without it, N(0,
+        initializer_range) as a fresh model's.
         Returns the input embedding."""
         embedding = self.get_input_embeddings()
         if new_num_tokens is None and pad_to_multiple_of is None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from . import checkpoint as ckpt
 from . import saving
 from .bert import BertModel
-from .loading import LoaderArgumentError
+from .loader_arguments import LoaderArgumentError
 from .tokenization import encode, load_tokenizer
 
 log = logging.getLogger(__name__)

@@ -314,9 +314,10 @@ def layer_indices(state_dict: Iterable[str]) -> set[int]:
 
 def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
     """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
-    module is built: a config claiming 100000 layers would otherwise build them all
-    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
-    config's cost nothing to build against and are listed by the load's usual error."""
+    module is built: a config claiming 100000 layers would otherwise build them all, at a
+    cost in time and memory that grows with the count, only to report every one missing.
+    Layers the file has beyond the config's cost nothing to build against and are listed by
+    the load's usual error."""
     have = layer_indices(state_dict)
     if set(range(num_hidden_layers)) <= have:
         return
