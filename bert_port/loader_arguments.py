@@ -1,6 +1,6 @@
 """What `from_pretrained` accepts: transformers' loader arguments it refuses and why
 (`UNSUPPORTED_LOADER_ARGUMENTS`, `LoaderArgumentError`), the dtype and `device_map`
-arguments, and config overrides. Every check here runs before a file is read.
+arguments, and config overrides. Every check here runs before the weights are read.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ and both remove another model's in the same commit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,7 +138,7 @@ def stage_tokenizer(stage: ckpt.StagedWrite, source: str | os.PathLike | None, c
 class SentenceFiles:
     """The sentence-transformers files a save writes beside the model: top-level files
     (`modules.json`, `sentence_bert_config.json`, ...) and module folders (`1_Pooling/`),
-    each file a `Path` to copy or a `str` to write. With `replace`, any other
+    each file a `Path` to copy or a `str` to write. With `remove_others`, any other
     sentence-transformers file in the folder (another model's settings, and the
     `{index}_{Module}` folders its modules.json names) is removed in the same commit, or
     SentenceTransformer would run that model's pipeline on this one; without it (a model saved
@@ -145,14 +146,14 @@ class SentenceFiles:
 
     files: dict[str, Path | str] = field(default_factory=dict)
     folders: dict[str, dict[str, Path | str]] = field(default_factory=dict)
-    replace: bool = True
+    remove_others: bool = True
 
     def updated(self, files: dict[str, str], folders: dict[str, dict[str, str]]) -> SentenceFiles:
         """These files with `files` and `folders` written over them (file by file)."""
-        merged = {f: dict(self.folders.get(f, {})) for f in {*self.folders, *folders}}
+        merged = {f: dict(self.folders.get(f, {})) for f in dict.fromkeys([*self.folders, *folders])}
         for folder, contents in folders.items():
             merged[folder].update(contents)
-        return replace(self, files={**self.files, **files}, folders=merged)
+        return dataclasses.replace(self, files={**self.files, **files}, folders=merged)
 
 
 def sentence_transformers_files(model: BertPreTrainedModel) -> tuple[list[str], list[str]]:
@@ -171,7 +172,7 @@ def carried_sentence_files(model: BertPreTrainedModel, save_directory: str | os.
     files of the folder it was loaded from (`sentence_transformers_files`), so that
     `SentenceTransformer(saved_dir)` pools and normalises as the original did."""
     if _is_folder(model.source_dir, Path(save_directory)):
-        return SentenceFiles(replace=False)
+        return SentenceFiles(remove_others=False)
     names, folders = sentence_transformers_files(model)
     source = Path(model.source_dir) if names else Path()
     return SentenceFiles(
@@ -191,7 +192,7 @@ def _stage_file(stage: ckpt.StagedWrite, name: str, content: Path | str) -> None
 
 
 def stage_sentence_files(stage: ckpt.StagedWrite, wanted: SentenceFiles) -> None:
-    """Stage `wanted` in the folder of `stage`, and with `wanted.replace` the removal of every
+    """Stage `wanted` in the folder of `stage`, and with `wanted.remove_others` the removal of every
     other sentence-transformers file there. Module folders are written each as a staged write
     of their own (a staged write holds one folder), before the top-level files commit."""
     out = stage.directory
@@ -201,7 +202,7 @@ def stage_sentence_files(stage: ckpt.StagedWrite, wanted: SentenceFiles) -> None
                 _stage_file(sub, name, content)
     for name, content in wanted.files.items():
         _stage_file(stage, name, content)
-    if wanted.replace:
+    if wanted.remove_others:
         _remove_foreign_sentence_files(stage, wanted)
 
 
