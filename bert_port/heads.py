@@ -88,7 +88,7 @@ class _BertWithHead(BertPreTrainedModel):
 
     def _init_head(self, *modules: nn.Module) -> None:
         # The encoder initialised itself; a head built on the meta device (from_pretrained)
-        # is filled by the load, or by `_materialize_new` when the checkpoint lacks it.
+        # is filled by the load, or by `loading.materialize_new` when the checkpoint lacks it.
         for module in modules:
             if not any(p.is_meta for p in module.parameters()):
                 module.apply(self._init_weights)

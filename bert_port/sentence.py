@@ -12,6 +12,7 @@ such a checkpoint's embedding: it was never trained for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,8 +25,9 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from . import checkpoint as ckpt
-from .base_bert import LoaderArgumentError
+from . import saving
 from .bert import BertModel
+from .loader_arguments import LoaderArgumentError
 from .tokenization import encode, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -219,8 +221,25 @@ class SentenceEncoder(nn.Module):
         `1_Pooling/config.json`, normalisation when `modules.json` lists `Normalize`,
         `max_seq_length` from `sentence_bert_config.json`. Arguments given here override those. `model_kwargs` go to
         `BertModel.from_pretrained` (dtype, device, attn_implementation, ...)."""
+        root = Path(path).expanduser()
+        # A folder is read as one save (model, tokenizer and pipeline files), however saves race.
+        with ckpt.read_snapshot(root) if root.is_dir() else contextlib.nullcontext():
+            model, settings = cls._load_parts(path, root, model_kwargs)
+            tokenizer = load_tokenizer(model.source_dir)
+        return cls(
+            model,
+            tokenizer,
+            pooling=settings["pooling"] if pooling is None else pooling,
+            normalize=settings["normalize"] if normalize is None else normalize,
+            max_seq_length=settings["max_seq_length"] if max_seq_length is None else max_seq_length,
+            do_lower_case=settings["do_lower_case"],
+        )
+
+    @classmethod
+    def _load_parts(cls, path: str | os.PathLike, root: Path, model_kwargs: dict) -> tuple[BertModel, dict]:
+        """The BERT model and the pipeline settings of a checkpoint (see `from_pretrained`)."""
         try:
-            root, model = Path(path).expanduser(), None
+            model = None
             if not root.is_dir():  # a model id or weights file: the folder it resolves to
                 model = BertModel.from_pretrained(path, **model_kwargs)
                 root = Path(model.source_dir)
@@ -229,14 +248,7 @@ class SentenceEncoder(nn.Module):
                 model = BertModel.from_pretrained(root / settings["transformer"], **model_kwargs)
         except LoaderArgumentError as exc:  # the caller called SentenceEncoder.from_pretrained
             raise exc.named(f"{cls.__name__}.from_pretrained", ("pooling", "normalize", "max_seq_length")) from None
-        return cls(
-            model,
-            load_tokenizer(model.source_dir),
-            pooling=settings["pooling"] if pooling is None else pooling,
-            normalize=settings["normalize"] if normalize is None else normalize,
-            max_seq_length=settings["max_seq_length"] if max_seq_length is None else max_seq_length,
-            do_lower_case=settings["do_lower_case"],
-        )
+        return model, settings
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None, **kwargs
@@ -285,9 +297,18 @@ class SentenceEncoder(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Write the model (`BertModel.save_pretrained`: HF format, tokenizer files) and the
-        sentence-transformers files describing this encoder's pipeline, so that both
-        `SentenceEncoder.from_pretrained` and `SentenceTransformer(save_directory)` load it."""
-        out = self.model.save_pretrained(save_directory)
+        sentence-transformers files describing this encoder's pipeline (`_pipeline_files`), so
+        that both `SentenceEncoder.from_pretrained` and `SentenceTransformer(save_directory)`
+        load it. Those of the folder the model came from are kept (its
+        `config_sentence_transformers.json`, module folders), with this pipeline written over
+        them; `saving` writes them all."""
+        files, folders = self._pipeline_files()
+        carried = saving.carried_sentence_files(self.model, save_directory)
+        return saving.save_pretrained(self.model, save_directory, sentence=carried.updated(files, folders))
+
+    def _pipeline_files(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+        """The texts of `modules.json` and `sentence_bert_config.json`, and of the module
+        folders' files (`1_Pooling/config.json`), that describe this encoder's pipeline."""
         modules = [{"idx": 0, "name": "0", "path": "", "type": _TRANSFORMER}]
         modules.append({"idx": 1, "name": "1", "path": POOLING_FOLDER, "type": _POOLING})
         if self.normalize:
@@ -298,13 +319,9 @@ class SentenceEncoder(nn.Module):
             pooling.update({key: mode in self.pooling for key, mode in _LEGACY_POOLING_KEYS.items()})
         else:
             pooling["pooling_mode"] = list(self.pooling)  # sentence-transformers 6 keeps any order
-        with ckpt.StagedWrite(out / POOLING_FOLDER) as stage:
-            stage.text("config.json", json.dumps(pooling, indent=2) + "\n")
-        with ckpt.StagedWrite(out) as stage:
-            stage.text(
-                ckpt.ST_CONFIG,
-                json.dumps({"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}, indent=2)
-                + "\n",
-            )
-            stage.text(ckpt.ST_MODULES, json.dumps(modules, indent=2) + "\n")
-        return out
+        settings = {"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}
+        files = {
+            ckpt.ST_CONFIG: json.dumps(settings, indent=2) + "\n",
+            ckpt.ST_MODULES: json.dumps(modules, indent=2) + "\n",
+        }
+        return files, {POOLING_FOLDER: {"config.json": json.dumps(pooling, indent=2) + "\n"}}

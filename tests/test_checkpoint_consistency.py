@@ -185,3 +185,97 @@ def test_staged_writes_delete_only_their_own_temporaries(tmp_path):
     assert not staged.exists()
     assert (tmp_path / "preds.csv").read_text() == "c,d\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.abcdefgh.tmp", "preds.csv"]
+
+
+def test_convert_repair_finishes_a_killed_save_and_needs_dir_alone(tmp_path, monkeypatch, capsys):
+    """`bert-port-convert --repair DIR`: the command a refused load names. It finishes the save,
+    after which the folder loads; with SRC/DST as well, or with nothing, it is a usage error."""
+    from bert_port.cli.convert import main as convert_main
+
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
+
+    def stop(*args, **kwargs):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
+    with pytest.raises(SystemExit):
+        BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(ckpt.CheckpointError, match=f"{ckpt.REPAIR_COMMAND} {tmp_path}"):
+        BertModel.from_pretrained(tmp_path)
+    assert convert_main(["--repair", str(tmp_path)]) == 0
+    assert "finished a save that was interrupted" in capsys.readouterr().out
+    assert BertModel.from_pretrained(tmp_path).config.layer_norm_eps == NEW_CONFIG["layer_norm_eps"]
+    for argv in (["--repair", str(tmp_path), "a", "b"], [], ["only-src"]):
+        with pytest.raises(SystemExit) as exit_:
+            convert_main(argv)
+        assert exit_.value.code == 2
+
+
+_ST_CHILD = textwrap.dedent(
+    r"""
+    import json, os, signal, sys
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    from bert_port import SentenceEncoder
+
+    src, root, rounds = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    hook = {"count": 0, "at": 0}
+
+    def on_audit(event, args):
+        if event == "os.rename" and hook["at"]:
+            hook["count"] += 1
+            if hook["count"] == hook["at"]:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    sys.addaudithook(on_audit)
+    old = SentenceEncoder.from_pretrained(src)  # mean pooling, Normalize
+    new = SentenceEncoder.from_pretrained(src, pooling="cls", normalize=False)
+    results = {}
+    for at in range(1, rounds + 1):
+        out = root / f"at{at}"
+        old.save_pretrained(out)
+        hook.update(count=0, at=at)
+        try:
+            new.save_pretrained(out)
+            results[at] = "completed"
+        except KeyboardInterrupt:
+            results[at] = "interrupted"
+        hook["at"] = 0
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sentence_encoder_save_leaves_one_pipeline(tmp_path, minilm_path):
+    """SIGINT at every rename of `SentenceEncoder.save_pretrained` over a folder holding another
+    pipeline (mean + Normalize -> cls, no Normalize): model, tokenizer, modules.json and
+    1_Pooling/ commit at once, so the folder loads as the new encoder whole, never the new
+    weights with the old pooling."""
+    from bert_port import SentenceEncoder
+
+    rounds = 14
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _ST_CHILD, str(minilm_path), str(tmp_path), str(rounds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    texts = ["a gripping, funny film", "the plot never comes together"]
+    expected = SentenceEncoder.from_pretrained(minilm_path, pooling="cls", normalize=False).encode(texts)
+    assert "interrupted" in results.values() and "completed" in results.values(), results
+    for at in results:
+        folder = tmp_path / f"at{at}"
+        assert not [p.name for p in folder.iterdir() if ckpt.TEMPORARY.fullmatch(p.name)], at
+        loaded = SentenceEncoder.from_pretrained(folder)
+        assert (loaded.pooling, loaded.normalize) == (("cls",), False), f"rename {at}: the old pipeline survived"
+        torch.testing.assert_close(loaded.encode(texts), expected, atol=0, rtol=0)

@@ -62,3 +62,20 @@ def test_the_plan_of_a_load_describes_itself():
     assert lines["missing"].split()[0] == f"{len(expected) - 2 - 2}:"  # all but the two kept and the pooler
     assert "bert.encoder.layer.0.attention.self.frobnicate" in lines["unexpected"]
     assert plan.missing(expected) == [k for k in expected if k not in plan.sources]
+
+
+def test_account_keys_is_the_one_accounting():
+    """The plan's missing/initialised/unexpected and the loader's (with what a model may
+    ignore) come from one function; lists keep the model's order and the file's."""
+    from bert_port.checkpoint.keys import account_keys
+
+    account = account_keys(
+        ["extra", "a.weight", "pooler_dense.weight", "classifier.bias"],
+        ["a.weight", "b.weight", "classifier.weight", "classifier.bias"],
+        init_if_missing=("classifier.",),
+        unused_ok=("pooler_dense.",),
+    )
+    assert account.missing == ["b.weight"] and account.initialised == ["classifier.weight"]
+    assert account.unexpected == ["extra"] and account.unused == ["pooler_dense.weight"]
+    plan = plan_load(["pooler.dense.bias"])
+    assert plan.missing(["pooler_dense.weight", "pooler_dense.bias"]) == ["pooler_dense.weight"]

@@ -79,7 +79,7 @@ def test_transformers_loader_keywords(minilm_path):
     import transformers
 
     from bert_port import SentenceEncoder
-    from bert_port.base_bert import UNSUPPORTED_LOADER_ARGUMENTS
+    from bert_port.loader_arguments import UNSUPPORTED_LOADER_ARGUMENTS
 
     ours = BertModel.from_pretrained(minilm_path, local_files_only=True, **EXACT)
     reference = transformers.BertModel.from_pretrained(
@@ -224,3 +224,42 @@ def test_resize_token_embeddings_as_transformers(tmp_path):
     assert hf.resize_token_embeddings(100, pad_to_multiple_of=64).num_embeddings == 128
     with pytest.raises(ValueError, match="new_num_tokens must be a positive integer"):
         ours.resize_token_embeddings(0)
+
+
+def test_loading_does_not_import_the_write_side():
+    """Loading never writes, by construction: `loading` and `loader_arguments` import neither
+    `saving` nor any of the checkpoint package's write functions (staged writes, locks,
+    journal replay). (`checkpoint.locate_checkpoint` itself is the checkpoint package's.)"""
+    import ast
+    import inspect
+
+    from bert_port import loader_arguments, loading
+
+    write_side = {"saving", "StagedWrite", "stage_weights", "write_weights", "atomic_write", "DirectoryLock", "tidy"}
+    write_side |= {"recover", "files"}  # `checkpoint.files` holds the staged writes until it is split
+    for module in (loading, loader_arguments):
+        tree = ast.parse(inspect.getsource(module))
+        names = {
+            alias.name.rsplit(".", 1)[-1]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom | ast.Import)
+            for alias in n.names
+        }
+        names |= {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & write_side, (module.__name__, names & write_side)
+
+
+def test_convert_loads_and_saves_through_the_library(tmp_path, monkeypatch):
+    """bert-port-convert builds, loads and saves with the same functions as from_pretrained
+    and save_pretrained, so the two cannot drift apart."""
+    from bert_port import loading, saving
+    from bert_port.cli.convert import main as convert_main
+
+    hf_model(TINY).save_pretrained(tmp_path / "src")
+    calls = []
+    for module, name in ((loading, "build_and_load"), (loading, "load_hf_state_dict"), (saving, "save_pretrained")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    assert calls == ["build_and_load", "load_hf_state_dict", "save_pretrained"]

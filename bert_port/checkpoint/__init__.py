@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from . import finite, journal, keys, locate, locking, names, reading, shards, staging
-from .errors import CheckpointError, human_bytes, short_list
+from .errors import CheckpointError, human_bytes, mismatch_message, short_list
 from .finite import non_finite
 from .keys import (
     BUFFER_KEYS,
@@ -103,6 +103,7 @@ __all__ = [
     "locate",
     "locate_checkpoint",
     "locking",
+    "mismatch_message",
     "names",
     "non_finite",
     "normalize_hf_key",

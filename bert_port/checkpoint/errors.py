@@ -49,3 +49,42 @@ def human_bytes(n: int) -> str:
         return "0 B"
     k = min(int(math.log(n, 1024)), 4)
     return f"{n / 1024**k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}"
+
+
+def mismatch_message(source, name, tensors, expected, missing, unexpected, mismatched, wrong_kind=()) -> str:
+    """Why a checkpoint does not fit a model, every tensor listed (the first 50 of each kind):
+    `name` spells a model key as the file does, `tensors` and `expected` map model keys to the
+    file's and the model's tensors."""
+    limit = 50  # per list: a config or file off by thousands of tensors still gives a readable error
+
+    def listed(keys, describe):
+        out = [f"    {describe(k)}" for k in keys[:limit]]
+        return out + ([f"    ... and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+    lines = [
+        (
+            f"cannot load {source}: the checkpoint does not fit the model. "
+            "Tensors are named as in the file (-> the port's name, where it differs)."
+        )
+    ]
+    if missing:
+        lines.append(f"  missing ({len(missing)}), the model needs these and the checkpoint lacks them:")
+        lines += listed(missing, lambda k: f"{name(k)}: expected {tuple(expected[k].shape)}")
+    if unexpected:
+        lines.append(f"  unexpected ({len(unexpected)}), in the checkpoint but not in the model:")
+        lines += listed(unexpected, lambda k: f"{name(k)}: {tuple(tensors[k].shape)}")
+    if wrong_kind:
+        lines.append(f"  wrong dtype ({len(wrong_kind)}), not castable to what the model holds:")
+        lines += listed(wrong_kind, lambda k: f"{name(k)}: checkpoint {tensors[k].dtype}, model {expected[k].dtype}")
+    if mismatched:
+        lines.append(f"  wrong shape ({len(mismatched)}):")
+        lines += listed(
+            mismatched,
+            lambda k: f"{name(k)}: checkpoint {tuple(tensors[k].shape)}, model {tuple(expected[k].shape)}",
+        )
+        lines.append(
+            "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "
+            "the config belongs to these weights."
+        )
+    lines.append("Nothing was loaded. Check that the checkpoint is a BERT model matching its config.json.")
+    return "\n".join(lines)

@@ -2,8 +2,9 @@
 
 Pure functions of names (and state dicts passed through untouched): no file I/O here. The
 plan (`plan_load`) says, from a file's key names alone, what a load keeps under which port
-name, what it renames, drops and skips, and, given the model's keys, what it would find
-missing and initialise afresh; `LoadPlan.describe` puts that in words.
+name, what it renames, drops and skips; `account_keys`, the one place keys are accounted
+(the loader uses it too), says given the model's keys what is missing, initialised afresh,
+unexpected or fine to leave out; `LoadPlan.describe` puts that in words.
 """
 
 from __future__ import annotations
@@ -142,6 +143,44 @@ def detect_layout(keys: Iterable[str]) -> Layout:
 # The plan of a load
 
 
+@dataclass(frozen=True)
+class KeyAccount:
+    """Where each key stands between a file and a model, in port names: what the model needs
+    and the file lacks (`missing`), of those what the model initialises afresh
+    (`initialised`), what the file has and the model does not take (`unexpected`), and of
+    those what is fine to leave out (`unused`: a pooler or task head the model lacks)."""
+
+    missing: list[str]
+    initialised: list[str]
+    unexpected: list[str]
+    unused: list[str]
+
+
+def account_keys(
+    incoming: Iterable[str],
+    expected: Iterable[str],
+    init_if_missing: tuple[str, ...] = (),
+    unused_ok: tuple[str, ...] = (),
+) -> KeyAccount:
+    """Account a load's keys once, for the loader and for `LoadPlan.describe`: `incoming` are
+    the file's keys under port names, `expected` the model's, `init_if_missing` the prefixes
+    of the model keys it initialises when absent, `unused_ok` the prefixes of file keys it
+    may ignore. Lists keep the order of `expected` (missing) and `incoming` (unexpected)."""
+    incoming, expected = list(incoming), list(expected)
+    have, want = set(incoming), set(expected)
+    absent = [k for k in expected if k not in have]
+    initialised = [k for k in absent if k.startswith(init_if_missing)]
+    surplus = [k for k in incoming if k not in want]
+    unused = [k for k in surplus if k.startswith(unused_ok)]
+    fresh, ignored = set(initialised), set(unused)
+    return KeyAccount(
+        missing=[k for k in absent if k not in fresh],
+        initialised=initialised,
+        unexpected=[k for k in surplus if k not in ignored],
+        unused=unused,
+    )
+
+
 @dataclass
 class LoadPlan:
     """What loading a file does with each of its keys, decided from the names alone.
@@ -159,7 +198,7 @@ class LoadPlan:
 
     def missing(self, expected: Iterable[str]) -> list[str]:
         """The model keys (`expected`) this file has no tensor for."""
-        return [k for k in expected if k not in self.sources]
+        return account_keys(self.sources, expected).missing
 
     def describe(self, expected: Collection[str] | None = None, init_if_missing: tuple[str, ...] = ()) -> str:
         """The plan in words, one line per kind of key. Given the model's keys (`expected`)
@@ -180,13 +219,13 @@ class LoadPlan:
                 f"unmapped:    {len(self.unmapped)} keys with no entry in the table: {short_list(self.unmapped)}"
             )
         if expected is not None:
-            missing = self.missing(expected)
-            initialised = [k for k in missing if k.startswith(init_if_missing)] if init_if_missing else []
-            absent = [k for k in missing if k not in initialised]
-            unexpected = [k for k in self.sources if k not in set(expected)]
-            lines.append(f"initialised: {len(initialised)}" + (f": {short_list(initialised)}" if initialised else ""))
-            lines.append(f"missing:     {len(absent)}" + (f": {short_list(absent)}" if absent else ""))
-            lines.append(f"unexpected:  {len(unexpected)}" + (f": {short_list(unexpected)}" if unexpected else ""))
+            account = account_keys(self.sources, expected, init_if_missing)
+            for label, keys in (
+                ("initialised", account.initialised),
+                ("missing", account.missing),
+                ("unexpected", account.unexpected),
+            ):
+                lines.append(f"{label + ':':<13}{len(keys)}" + (f": {short_list(keys)}" if keys else ""))
         return "\n".join(lines)
 
 
@@ -275,9 +314,10 @@ def layer_indices(state_dict: Iterable[str]) -> set[int]:
 
 def check_layer_count(state_dict: Iterable[str], num_hidden_layers: int, source: str) -> None:
     """Raise `CheckpointError` when the config asks for layers the checkpoint lacks, before any
-    module is built: a config claiming 100000 layers would otherwise build them all
-    (minutes, gigabytes) only to report every one missing. Layers the file has beyond the
-    config's cost nothing to build against and are listed by the load's usual error."""
+    module is built: a config claiming 100000 layers would otherwise build them all, at a
+    cost in time and memory that grows with the count, only to report every one missing.
+    Layers the file has beyond the config's cost nothing to build against and are listed by
+    the load's usual error."""
     have = layer_indices(state_dict)
     if set(range(num_hidden_layers)) <= have:
         return

@@ -1,4 +1,5 @@
 """`bert-port-convert SRC DST`: rewrite a BERT checkpoint in the clean Hugging Face layout.
+`bert-port-convert --repair DIR`: finish, or drop, what a killed save left in DIR.
 
 SRC is a checkpoint directory, a weights file (`pytorch_model.bin`, `*.safetensors`, a
 shard index) with `config.json` beside it, or a model id in the local HF cache. Any layout
@@ -10,7 +11,11 @@ token classification, question answering) is kept, and so are the pretraining he
 with `--keep-heads`; otherwise DST is a `BertModel`. The report says what was renamed, what
 was dropped, and that DST reads back bit for bit.
 
-Exit status: 0 converted and verified; 1 the written files did not read back identically;
+A save killed after its commit point leaves a folder that loads refuse (they never write);
+`--repair` finishes that save, or drops its journal when another tool has written the folder
+since, and deletes the temporaries killed saves recorded, nothing else.
+
+Exit status: 0 converted and verified (or repaired); 1 the written files did not read back identically;
 2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint)
 or DST cannot be written (permissions, disk full; its previous files are left intact).
 """
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from bert_port.base_bert import BertPreTrainedModel
     from bert_port.config import BertConfig
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -38,8 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bert-port-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("src", help="checkpoint directory, weights file, or model id in the local HF cache")
-    parser.add_argument("dst", help="output directory (created if needed)")
+    parser.add_argument("src", nargs="?", help="checkpoint directory, weights file, or model id in the local HF cache")
+    parser.add_argument("dst", nargs="?", help="output directory (created if needed)")
+    parser.add_argument(
+        "--repair", metavar="DIR", default=None, help="finish or drop a killed save in DIR, instead of converting"
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast floating weights (default keep)")
     parser.add_argument(
@@ -108,43 +117,35 @@ def _names(keys: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def convert(args: argparse.Namespace) -> int:
-    from bert_port import BertConfig
+def _refusal(dst: Path, source_dir: Path, overwrite: bool) -> str | None:
+    """Why DST may not be written, or None."""
+    if dst.exists() and dst.resolve() == source_dir.resolve():
+        return f"DST {dst} is the source directory; write to a new directory"
+    existing = _holds_checkpoint(dst)
+    if existing and not overwrite:
+        return f"{dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it"
+    return None
+
+
+def _load(args: argparse.Namespace, files) -> BertPreTrainedModel:
+    """SRC as the port model that keeps what it is, loaded as `from_pretrained` loads."""
+    from bert_port import BertConfig, loading
     from bert_port import checkpoint as ckpt
 
-    dst = Path(args.dst).expanduser()
-    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
-    if dst.exists() and dst.resolve() == files.directory.resolve():
-        print(f"error: DST {dst} is the source directory; write to a new directory", file=sys.stderr)
-        return 2
-    existing = _holds_checkpoint(dst)
-    if existing and not args.overwrite:
-        print(
-            f"error: {dst} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it",
-            file=sys.stderr,
-        )
-        return 2
-    ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
-
-    config = BertConfig.from_json_file(files.config_file)
-    state = ckpt.read_weights(files.weights_file).tensors
-    ckpt.check_layer_count(state, config.num_hidden_layers, str(files.weights_file))
-    cls, init_kwargs = _model_class(state, config, args.keep_heads)
-    with torch.device("meta"):
-        model = cls(config, **init_kwargs)
-    model.load_hf_state_dict(
-        state, dtype=DTYPES[args.dtype], check_finite=args.check_finite, source=str(files.weights_file)
+    with ckpt.read_snapshot(files.directory):  # config and weights of one save
+        config = BertConfig.from_json_file(files.config_file)
+        weights = loading.read_checkpoint(files, config)
+    cls, init_kwargs = _model_class(weights.tensors, config, args.keep_heads)
+    return loading.build_and_load(
+        cls, config, weights, files, init_kwargs=init_kwargs, dtype=DTYPES[args.dtype], check_finite=args.check_finite
     )
-    model.source_dir = files.directory
-    info = model.loading_info
-    del state
 
-    model.save_pretrained(dst, max_shard_size=args.max_shard_size)
-    saved = model.hf_state_dict()
-    written = ckpt.locate_checkpoint(dst)
-    reread = ckpt.read_weights(written.weights_file).tensors
-    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
 
+def _report(model: BertPreTrainedModel, files, dst: Path, saved: dict, keep_heads: bool) -> None:
+    from bert_port import checkpoint as ckpt
+    from bert_port import saving
+
+    info, config = model.loading_info, model.config
     renamed = info["renamed"]
     legacy = [k for k in renamed if k.endswith(("LayerNorm.gamma", "LayerNorm.beta"))]
     prefixed = [k for k in renamed if k.startswith(ckpt.WRAPPER_PREFIXES)]
@@ -162,7 +163,7 @@ def convert(args: argparse.Namespace) -> int:
     )
     dropped, buffers = info["dropped"], info["buffers"]
     # The flag keeps an MLM head (with or without NSP), not an NSP head alone.
-    keepable = not args.keep_heads and any(ckpt.normalize_hf_key(k).startswith("cls.predictions.") for k in dropped)
+    keepable = not keep_heads and any(ckpt.normalize_hf_key(k).startswith("cls.predictions.") for k in dropped)
     print(
         f"dropped:   {len(dropped)} pretraining-head tensors"
         + (f": {_names(dropped)}" if dropped else "")
@@ -174,10 +175,33 @@ def convert(args: argparse.Namespace) -> int:
     if info["newly_initialized"]:
         print(f"new:       {_names(info['newly_initialized'])} (initialised afresh: not in the source)")
     print(f"written:   {dst}: {', '.join(out_files)}")
-    st_files, st_folders = model.sentence_transformers_files()
+    st_files, st_folders = saving.sentence_transformers_files(model)
     if st_files:  # a sentence-transformers folder stays one: SentenceTransformer(DST) pools as SRC did
         print(f"copied:    sentence-transformers files from SRC: {', '.join(st_files + [f + '/' for f in st_folders])}")
     print(f"tensors:   {len(saved)}, {ckpt.human_bytes(nbytes)}, {str(model.dtype).removeprefix('torch.')}")
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Load SRC and save it to DST with the library's own loading and saving functions, then
+    read DST back and compare it bit for bit with what was saved."""
+    from bert_port import checkpoint as ckpt
+    from bert_port import saving
+
+    dst = Path(args.dst).expanduser()
+    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
+    refusal = _refusal(dst, files.directory, args.overwrite)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
+
+    model = _load(args, files)
+    saving.save_pretrained(model, dst, max_shard_size=args.max_shard_size)
+    saved = saving.hf_state_dict(model)
+    written = ckpt.locate_checkpoint(dst)
+    reread = ckpt.read_weights(written.weights_file).tensors
+    same = reread.keys() == saved.keys() and all(_same_bits(reread[k], saved[k].cpu()) for k in saved)
+    _report(model, files, dst, saved, args.keep_heads)
     if not same:
         print(f"FAILED: {written.weights_file} does not read back identically to what was saved", file=sys.stderr)
         return 1
@@ -186,12 +210,20 @@ def convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    repairing, converting = args.repair is not None, args.src is not None and args.dst is not None
+    if repairing == converting or (repairing and args.src is not None):
+        parser.error("give SRC and DST to convert, or --repair DIR alone")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
 
     from bert_port import CheckpointError, ConfigError
+    from bert_port import checkpoint as ckpt
 
     try:
+        if args.repair is not None:
+            print(ckpt.repair(args.repair))
+            return 0
         return convert(args)
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
