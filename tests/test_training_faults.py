@@ -155,7 +155,7 @@ def test_predict_refuses_bad_input_with_exit_2(trained, data, tmp_path, capsys, 
         "empty-input": "is empty",
         "directory-input": "is a directory",
         "output-is-input": "is the --input file",
-        "bad-device": "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+        "bad-device": "--device 'tpu' is not a device torch knows",
         "column-clash": "which the predictions would overwrite",
         "bad-output-format": "unknown data format '.xlsx'",
     }[case]
@@ -318,7 +318,7 @@ def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_pat
         (["--max-length", "2"], "leaves no room for text beside [CLS] and [SEP]"),
         (["--warmup-steps", "-1"], "--warmup-steps must be an integer >= 0"),
         (["--seed", "-1"], "--seed must be an integer in [0, 2**63)"),
-        (["--device", "tpu"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        (["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
         (["--label-column", "text"], "must name different columns"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else None,
@@ -585,12 +585,12 @@ CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     from bert_port import training
     kill_at, calls, real_save = int(os.environ["KILL_AT_SAVE"]), [0], torch.save
-    def save(obj, f, *a, **k):
+    def save(obj, f, *a, **k):  # f: the open temporary file the state is written to
         calls[0] += 1
         real_save(obj, f, *a, **k)
         if calls[0] == kill_at:
-            with open(f, "r+b") as fh:
-                fh.truncate(os.path.getsize(f) // 2)
+            f.flush()
+            os.truncate(f.name, os.path.getsize(f.name) // 2)
             os.kill(os.getpid(), signal.SIGKILL)
     torch.save = save
     from bert_port.cli.finetune import main
@@ -674,7 +674,7 @@ def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch
     the new files. A run starting in that folder must finish the save (as the next load or
     save would), not delete the new files as leftovers and roll back to the old ones."""
     import bert_port.checkpoint as ckpt
-    from bert_port.training import _own_output_dir
+    from bert_port.training import own_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -692,7 +692,7 @@ def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch
     monkeypatch.setattr(ckpt.files, "_apply_journal", apply_journal)
     assert (out / ckpt.JOURNAL).is_file() and (out / "config.json").read_text() == "old"
 
-    with _own_output_dir(out):
+    with own_output_dir(out):
         assert (out / "config.json").read_text() == "new"
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
