@@ -707,3 +707,87 @@ def test_predict_with_no_tokenizer_files_is_an_error_not_a_traceback(tmp_path, c
     assert main([*argv, "--max-length", "16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "vocab.txt" in err and not (tmp_path / "o.csv").exists()
+
+
+# -----------------------------------------------------------------------------------------
+# Issue 22: outputs touch only their own files; labels; resume on changed data; a full disk
+
+
+def test_predict_leaves_unrelated_files_in_the_output_folder(trained, data, tmp_path):
+    """A hidden file that merely looks like a temporary (`.NAME.XXXXXXXX.tmp`) is not predict's
+    to delete: it removes only the temporaries it created itself."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    other, notes = folder / ".other.abcdefgh.tmp", folder / "notes.txt"
+    other.write_text("someone else's")
+    notes.write_text("mine")
+    argv = ["--model", str(trained), "--input", str(data["validation"]), "--output", str(folder / "preds.csv")]
+    assert predict_cli.main(argv) == 0
+    assert other.read_text() == "someone else's" and notes.read_text() == "mine"
+    assert sorted(p.name for p in folder.iterdir()) == [".other.abcdefgh.tmp", "notes.txt", "preds.csv"]
+
+
+def test_labels_differing_only_in_surrounding_whitespace_are_one_class(tmp_path):
+    from bert_port.problem import ProblemType
+
+    csv_file = _csv(tmp_path / "t.csv", [("a", "1"), ("b", " 1"), ("c", "0 "), ("d", " pos ")])
+    assert load_texts(csv_file).labels == ["1", "1", "0", "pos"]
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"text": "a", "label": "1"}\n{"text": "b", "label": " 1"}\n{"text": "c", "label": 0}\n')
+    dataset = load_texts(jsonl)
+    assert ProblemType.SINGLE_LABEL.label_names(dataset, "label") == ["0", "1"]
+
+
+def test_predict_refuses_a_model_whose_labels_share_a_name(trained, data, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(trained, model)
+    config = json.loads((model / "config.json").read_text())
+    config["id2label"] = {"0": "pos", "1": "pos"}
+    config["label2id"] = {"pos": 1}
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "pred.csv"
+    code = predict_cli.main(["--model", str(model), "--input", str(data["validation"]), "--output", str(out)])
+    assert_refused(code, capsys, "id2label gives one name to several labels ('pos' for ids 0, 1)", "own name")
+    assert not out.exists()
+
+
+def test_resume_refuses_a_data_file_that_changed(tmp_path, ckpt, data, capsys):
+    train = tmp_path / "train.csv"
+    train.write_bytes(data["train"].read_bytes())
+    args = finetune_args({**data, "train": train}, ckpt, tmp_path / "out")
+    assert run_finetune(*args, "--stop-after-steps", "1") == 0
+    assert load_last(tmp_path / "out")["data"]["train"]["size"] == train.stat().st_size
+    train.write_text(train.read_text().replace("good", "fine"))  # same labels, other texts
+    assert_refused(
+        run_finetune(*args, "--resume"), capsys, "the data changed since the run started", f"--train {train}"
+    )
+    assert load_last(tmp_path / "out")["progress"]["global_step"] == 1  # nothing trained on the new data
+
+
+def test_a_full_disk_during_training_is_one_clear_line_and_keeps_the_last_checkpoint(
+    tmp_path, ckpt, data, capsys, monkeypatch
+):
+    """The second training state hits ENOSPC half-way through its temporary: exit 2 with one
+    line, no traceback, and `last-checkpoint.pt` still the first state, whole."""
+    import errno
+
+    real_save, calls = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            f.write(b"half a state")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "out"
+    code = run_finetune(*finetune_args(data, ckpt, out, "--save-steps", "1"))
+    err = assert_refused(code, capsys, "no space left on the device", "--resume")
+    line = next(line for line in err.splitlines() if "error: " in line)  # among the progress bars
+    assert line[line.index("error: ") :].endswith("then continue with --resume"), err
+    monkeypatch.setattr(torch, "save", real_save)
+    assert load_last(out)["progress"]["global_step"] == 1
+    assert not temporaries(out)

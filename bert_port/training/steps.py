@@ -306,6 +306,18 @@ def train_step(
             loss = (losses * weight).sum() * (world_size / n_real)
             (scaler.scale(loss) if fp16 else loss).backward()
         loss_sum += (losses.detach() * weight).sum().double()
+    return loss_sum, _clip_and_step(optimizer, scheduler, max_grad_norm, scaler)
+
+
+def _clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR | None,
+    max_grad_norm: float,
+    scaler: torch.amp.GradScaler | None,
+) -> float | None:
+    """Clip the accumulated gradient, check it, and take the optimiser and schedule step.
+    Returns the gradient norm before clipping (None when clipping is off)."""
+    fp16 = scaler is not None
     if fp16:
         scaler.unscale_(optimizer)  # clip and report the true gradient
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -332,4 +344,4 @@ def train_step(
         if scheduler is not None:
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return grad_norm
