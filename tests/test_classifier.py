@@ -165,7 +165,7 @@ def test_schedules_equal_transformers_get_scheduler(kind, warmup):
         assert runs[0][0] == 0.0 and runs[0][warmup] == 1.0  # warmup from 0 to the peak, as transformers
 
 
-# The bar for the loss curve; measured differences are ~1e-7 (float rounding only).
+# The bar for the loss curve; the differences measured (printed by the test) are float rounding.
 LOSS_CURVE_ATOL = 1e-4
 
 
