@@ -24,8 +24,6 @@ from ..reference import hf_twin
 from .settings import FinetuneConfig
 from .steps import set_seed
 
-REFERENCES = ("port", "hf")
-
 
 def require_reference(reference: str) -> None:
     """Import what `reference` needs now, so that a missing package is refused before any work."""
