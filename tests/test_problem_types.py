@@ -288,3 +288,19 @@ def test_torchrun_regression_two_processes_equal_one(tmp_path, files, ckpt):
         # spread: float rounding of 1e-7 in a prediction moves it by ~1e-5, not more.
         for name in ("pearson", "spearman"):
             assert a["validation"][name] == pytest.approx(b["validation"][name], abs=1e-3)
+
+
+def test_one_problem_type_gives_the_cli_choices_and_the_config_strings():
+    """`ProblemType` is the one definition: its values are transformers' strings (in
+    config.json and on the command line), and `--problem-type` offers exactly them."""
+    from bert_port.cli import finetune as finetune_cli
+    from bert_port.problem import ProblemType
+
+    strings = ("regression", "single_label_classification", "multi_label_classification")
+    assert ProblemType.choices() == strings and all(ProblemType(s).value == s for s in strings)
+    flags = {a.dest: a for a in finetune_cli.build_parser()._actions}
+    assert tuple(flags["problem_type"].choices) == strings
+    assert json.dumps({"problem_type": ProblemType.MULTI_LABEL}) == '{"problem_type": "multi_label_classification"}'
+    assert f"{ProblemType.REGRESSION}" == "regression"
+    with pytest.raises(ValueError, match="unknown problem_type 'ranking'; use one of regression, single_label"):
+        ProblemType("ranking")

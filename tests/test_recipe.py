@@ -212,6 +212,31 @@ def test_fp16_with_a_gradient_scaler_on_cuda(tmp_path, data, ckpt):
     assert load_last(out)["scaler"]["scale"] > 0
 
 
+def test_reference_hf_trains_the_transformers_twin_from_the_same_weights(tmp_path, data, minilm_path):
+    """`--reference hf` runs the same loop on transformers' BertForSequenceClassification,
+    built by `bert_port.reference.hf_twin` from the port model's initial weights (head
+    included, drawn from the seeded RNG): the two runs' losses agree step by step."""
+    config = {**TINY, "vocab_size": 30522, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    torch.manual_seed(0)
+    model = BertModel(BertConfig.from_dict(config))
+    model.source_dir = minilm_path
+    ckpt = model.save_pretrained(tmp_path / "ckpt")
+    runs = {}
+    for reference in ("port", "hf"):
+        extra = ["--reference", reference, "--epochs", "1", "--eval-steps", "5"]
+        if reference == "hf":
+            extra += ["--compare-to", tmp_path / "port"]
+        assert run_finetune(*finetune_args(data, ckpt, tmp_path / reference, *extra)) == 0
+        runs[reference] = metrics_of(tmp_path / reference)
+    port, hf = runs["port"], runs["hf"]
+    assert hf["name"].startswith("transformers BertForSequenceClassification")
+    assert port["name"].startswith("bert_port BertForSequenceClassification")
+    losses = {k: torch.tensor([s["loss"] for s in m["steps"]], dtype=torch.float64) for k, m in runs.items()}
+    print(f"--reference hf vs port: per-step loss |diff| max {(losses['hf'] - losses['port']).abs().max():.2e}")
+    torch.testing.assert_close(losses["hf"], losses["port"], atol=1e-5, rtol=1e-5)
+    assert hf["comparison"]["steps_compared"] == 5 and len(hf["steps"]) == 5
+
+
 # -----------------------------------------------------------------------------------------
 # Settings: one dataclass for the flags, the checks and the resume rules
 

@@ -92,13 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             for split, path in export_builtin(cfg.dataset, args.export_dataset).items():
                 print(f"{split}: {path}")
             return 0
-        hf_module = None
-        if cfg.reference == "hf":
-            from bert_port.extras import require
-
-            hf_module = require("transformers")
         with logging_redirect_tqdm():
-            metrics = finetune(cfg, hf_module=hf_module)
+            metrics = finetune(cfg)
     except (DataError, FinetuneError, CheckpointError, ConfigError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -125,9 +120,9 @@ def report(metrics: dict, wall_s: float) -> str:
             f"({metrics['train_examples_per_s']} examples/s)"
         ),
     ]
-    from bert_port.training import HEADLINE
+    from bert_port.problem import ProblemType
 
-    headline = HEADLINE[metrics.get("problem_type", "single_label_classification")]
+    headline = ProblemType(metrics.get("problem_type") or ProblemType.SINGLE_LABEL).headline
     for e in metrics["evaluations"]:
         v = e["validation"]
         train_loss = f"{e['train_loss']:.4f}" if e["train_loss"] is not None else "-"

@@ -15,10 +15,8 @@ The output keeps every input column and adds:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
@@ -72,131 +70,111 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    from bert_port.checkpoint import CheckpointError, locate_checkpoint
-    from bert_port.classifier import BertForSequenceClassification
-    from bert_port.config import BertConfig, ConfigError
-    from bert_port.data import DataError, file_format, load_texts
-    from bert_port.tokenization import load_tokenizer
-    from bert_port.training import FinetuneError, check_max_length, predict, problem_type_of
+    from bert_port.checkpoint import CheckpointError
+    from bert_port.config import ConfigError
+    from bert_port.data import DataError
+    from bert_port.training import FinetuneError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-            raise FinetuneError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
-            raise FinetuneError(
-                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                "use --device cpu or an existing cuda:N"
-            )
-        out_format = file_format(args.output)
-        out = Path(args.output)
-        if out.is_dir():
-            raise FinetuneError(f"--output {out} is a directory; give a file name ending .csv, .tsv or .jsonl")
-        if out.exists() and out.resolve() == Path(args.input).resolve():
-            raise FinetuneError(
-                f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
-            )
-        dataset = load_texts(args.input, args.text_column, None, args.text_pair_column, keep_records=True)
-        config = BertConfig.from_json_file(locate_checkpoint(args.model).config_file)
-        if not config.id2label:
-            raise ConfigError(
-                f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
-                "Pass the output directory of bert-port-finetune"
-            )
-        problem_type = problem_type_of(config)
-        names = [config.id2label[i] for i in range(config.num_labels)]
-        added = list(_added_columns(problem_type, names))
-        clash = sorted({k for r in dataset.records for k in r} & set(added))
-        if clash:
-            raise DataError(
-                f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
-                "predictions would overwrite; rename them in the input"
-            )
-        max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
-        check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
-        model = BertForSequenceClassification.from_pretrained(args.model)
-        tokenizer = load_tokenizer(model.source_dir)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise FinetuneError(
-                f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
-            ) from None
+        job = _prepare(args)
     except (DataError, CheckpointError, ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model.to(device)
-    scores = predict(model, tokenizer, dataset, args.batch_size, max_length, device, args.bf16)
-    rows = [_prediction(problem_type, names, row, args.threshold) for row in scores.tolist()]
+    return _run(args, job)
+
+
+def _prepare(args: argparse.Namespace) -> dict:
+    """Every check before any work: the device, the output path, the input, the model's
+    label map and length; then the model and tokenizer. Returns what `_run` needs."""
+    from bert_port.checkpoint import locate_checkpoint
+    from bert_port.classifier import BertForSequenceClassification
+    from bert_port.config import BertConfig, ConfigError
+    from bert_port.data import DataError, file_format, load_texts
+    from bert_port.devices import resolve_device
+    from bert_port.problem import ProblemType, config_label_names
+    from bert_port.tokenization import load_tokenizer
+    from bert_port.training import FinetuneError, check_max_length
+
     try:
-        _write_predictions(out, out_format, dataset.records, rows)
+        device = resolve_device(args.device, what="--device")
+    except ValueError as exc:
+        raise FinetuneError(str(exc)) from None
+    file_format(args.output)
+    out = Path(args.output)
+    if out.is_dir():
+        raise FinetuneError(f"--output {out} is a directory; give a file name ending .csv, .tsv or .jsonl")
+    if out.exists() and out.resolve() == Path(args.input).resolve():
+        raise FinetuneError(
+            f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
+        )
+    dataset = load_texts(args.input, args.text_column, None, args.text_pair_column, keep_records=True)
+    config_file = locate_checkpoint(args.model).config_file
+    config = BertConfig.from_json_file(config_file)
+    if not config.id2label:
+        raise ConfigError(
+            f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
+            "Pass the output directory of bert-port-finetune"
+        )
+    problem = ProblemType.of_config(config)
+    names = config_label_names(config, str(config_file))
+    clash = sorted({k for r in dataset.records for k in r} & set(problem.output_columns(names)))
+    if clash:
+        raise DataError(
+            f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
+            "predictions would overwrite; rename them in the input"
+        )
+    max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
+    check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
+    model = BertForSequenceClassification.from_pretrained(args.model)
+    tokenizer = load_tokenizer(model.source_dir)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FinetuneError(
+            f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
+        ) from None
+    return dict(
+        device=device,
+        out=out,
+        dataset=dataset,
+        problem=problem,
+        names=names,
+        max_length=max_length,
+        model=model,
+        tokenizer=tokenizer,
+    )
+
+
+def _run(args: argparse.Namespace, job: dict) -> int:
+    """Predict every row and write the file; a disk or OS error while writing is exit 1."""
+    from bert_port.training import predict
+
+    model, dataset, problem, names, out = job["model"], job["dataset"], job["problem"], job["names"], job["out"]
+    model.to(job["device"])
+    scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
+    rows = [problem.prediction(names, row, args.threshold) for row in scores.tolist()]
+    try:
+        _write_predictions(out, dataset.records, rows)
     except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
         print(f"error: cannot write {out}: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {len(rows)} predictions to {out} ({_summary(problem_type, names, rows)})")
+    print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)})")
     return 0
 
 
-def _added_columns(problem_type: str, names: list[str]) -> list[str]:
-    """The columns the predictions add (CSV/TSV and JSONL alike, so either clash is refused)."""
-    if problem_type == "regression":
-        return ["predicted_value"] if len(names) == 1 else [f"predicted_{n}" for n in names]
-    head = "predicted_labels" if problem_type == "multi_label_classification" else "predicted_label"
-    return [head, "probabilities"] + [f"prob_{n}" for n in names]
+def _write_predictions(out: Path, records: list[dict], rows: list[dict]) -> None:
+    """Every input column plus the prediction (`data.write_records`: staged, never half a
+    file): JSONL keeps each prediction whole, CSV/TSV flattens it into columns."""
+    from bert_port.data import file_format, write_records
+    from bert_port.problem import flat_prediction
 
-
-def _prediction(problem_type: str, names: list[str], scores: list[float], threshold: float) -> dict:
-    """One row's prediction as JSON: the value(s), or the label(s) and each probability."""
-    if problem_type == "regression":
-        return dict(zip(_added_columns(problem_type, names), scores))
-    probabilities = dict(zip(names, scores))
-    if problem_type == "multi_label_classification":
-        return {
-            "predicted_labels": [n for n, p in probabilities.items() if p >= threshold],
-            "probabilities": probabilities,
-        }
-    return {"predicted_label": names[max(range(len(scores)), key=scores.__getitem__)], "probabilities": probabilities}
-
-
-def _flat(prediction: dict) -> dict:
-    """A prediction as CSV/TSV columns: `prob_<label>` columns, label lists joined by "|"."""
-    flat = {k: v for k, v in prediction.items() if k != "probabilities"}
-    if "predicted_labels" in flat:
-        flat["predicted_labels"] = "|".join(flat["predicted_labels"])
-    flat.update({f"prob_{n}": p for n, p in prediction.get("probabilities", {}).items()})
-    return flat
-
-
-def _summary(problem_type: str, names: list[str], rows: list[dict]) -> str:
-    if problem_type == "regression":
-        key = next(iter(rows[0])) if rows else "predicted_value"
-        values = [r[key] for r in rows]
-        return f"{key} from {min(values, default=0):.4g} to {max(values, default=0):.4g}"
-    key = "predicted_labels" if problem_type == "multi_label_classification" else "predicted_label"
-    counts = {n: sum(n in r[key] if isinstance(r[key], list) else n == r[key] for r in rows) for n in names}
-    return ", ".join(f"{n}: {c}" for n, c in counts.items())
-
-
-def _write_predictions(out: Path, out_format: str, records: list[dict], rows: list[dict]) -> None:
-    """Every input column plus the prediction, written under a temporary name and renamed
-    into place: never half a file."""
-    from bert_port.checkpoint import atomic_write
-
-    with atomic_write(out) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
-        if out_format == "jsonl":
-            f.writelines(json.dumps({**record, **row}, ensure_ascii=False) + "\n" for record, row in zip(records, rows))
-        else:
-            flat = [_flat(row) for row in rows]
-            columns = list(dict.fromkeys(k for r in records for k in r)) + list(flat[0] if flat else [])
-            writer = csv.DictWriter(f, fieldnames=columns, delimiter="," if out_format == "csv" else "\t")
-            writer.writeheader()
-            for record, row in zip(records, flat):
-                writer.writerow({**record, **row})
+    if file_format(out) == "jsonl":
+        write_records([{**record, **row} for record, row in zip(records, rows)], out)
+        return
+    flat = [flat_prediction(row) for row in rows]
+    columns = list(dict.fromkeys(k for r in records for k in r)) + list(flat[0] if flat else [])
+    write_records([{**record, **row} for record, row in zip(records, flat)], out, columns)
 
 
 def _trained_max_length(model_dir: Path) -> int:

@@ -1,13 +1,19 @@
 """Fine-tuning a sequence classifier: the recipe behind `bert-port-finetune`.
 
 settings    `FinetuneConfig`: every option once (flags, help, checks, resume rules)
-steps       processes, RNG, AdamW, the learning-rate schedules, one optimiser step
-evaluation  metrics for single-label, multi-label and regression; `predict`
-reporting   metrics.json, the plot of the curves, TensorBoard
+steps       processes, AdamW, the learning-rate schedules, one optimiser step, Ctrl-C
+splits      the run's data: splits read, label map built, labels checked
+batching    `Collator` (tokenised batches and their targets), chunks, evaluation order
+evaluation  `evaluate` (metrics by problem type) and `predict`
+reporting   training_config.json, metrics.json, the plot of the curves, TensorBoard
+run_folder  the output folder: its file names, the checks, the lock
+resume      last-checkpoint.pt: what it holds (RNG state, data identity) and its checks
+reference   the model trained: the port's, or its transformers twin (`--reference hf`)
 recipe      `FinetuneRecipe` (setup, train_epoch, evaluate, save_checkpoint, resume,
             cleanup) and `finetune(cfg)`, which runs it
 """
 
+from .batching import Collator, chunks, length_sorted
 from .evaluation import (
     DETAIL_MAX_CLASSES,
     HEADLINE,
@@ -16,31 +22,20 @@ from .evaluation import (
     metrics_from_counts,
     multi_label_metrics,
     predict,
-    problem_type_of,
     regression_metrics,
 )
-from .recipe import (
-    CURVES_FILE,
-    LAST_CHECKPOINT,
-    METRICS_FILE,
-    RESOLVED_CONFIG,
-    FinetuneRecipe,
-    Splits,
-    _own_output_dir,
-    _StopRequest,
-    build_model,
-    finetune,
-    load_splits,
-    load_trained,
-    save_model,
-    to_hf_model,
-)
+from .recipe import FinetuneRecipe, finetune
+from .reference import build_model, load_trained, save_model
 from .reporting import TENSORBOARD_DIR, compare_runs, plot_curves, write_json
+from .resume import LAST_CHECKPOINT, check_resumable, data_identity
+from .run_folder import CURVES_FILE, METRICS_FILE, RESOLVED_CONFIG, check_output_dir, own_output_dir
 from .settings import METRICS, SCHEDULERS, FinetuneConfig, FinetuneError, check_max_length, load_config_file
+from .splits import Splits, load_splits
 from .steps import (
     SCHEDULES,
     Dist,
     DivergedError,
+    StopRequest,
     build_optimizer,
     build_scheduler,
     param_groups,
@@ -60,34 +55,38 @@ __all__ = [
     "SCHEDULES",
     "TENSORBOARD_DIR",
     "WORST_CLASSES",
+    "Collator",
     "Dist",
     "DivergedError",
     "FinetuneConfig",
     "FinetuneError",
     "FinetuneRecipe",
     "Splits",
-    "_StopRequest",
-    "_own_output_dir",
+    "StopRequest",
     "build_model",
     "build_optimizer",
     "build_scheduler",
     "check_max_length",
+    "check_output_dir",
+    "check_resumable",
+    "chunks",
     "compare_runs",
+    "data_identity",
     "evaluate",
     "finetune",
+    "length_sorted",
     "load_config_file",
     "load_splits",
     "load_trained",
     "metrics_from_counts",
     "multi_label_metrics",
+    "own_output_dir",
     "param_groups",
     "plot_curves",
     "predict",
-    "problem_type_of",
     "regression_metrics",
     "save_model",
     "setup_distributed",
-    "to_hf_model",
     "train_step",
     "write_json",
 ]

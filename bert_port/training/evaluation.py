@@ -1,13 +1,6 @@
 """Evaluation and prediction for the three problem types of transformers'
-`BertForSequenceClassification`:
-
-  - single-label classification: loss, accuracy, macro-F1, per-class precision / recall /
-    F1 and the confusion matrix (`metrics_from_counts`);
-  - regression: loss (MSE), Pearson and Spearman correlation of the predictions with the
-    targets (`regression_metrics`);
-  - multi-label classification: a label is predicted when its sigmoid is >= 0.5 (logit >= 0);
-    loss (BCE), micro-F1, macro-F1, exact match (every label of the example right) and
-    per-class figures (`multi_label_metrics`).
+`BertForSequenceClassification` (`bert_port.problem.ProblemType`; the metrics themselves are
+in `bert_port.metrics`).
 
 Evaluation is split over the processes of a torchrun job (each takes every W-th example of
 a length-sorted order; no padding, so every example counts once) and its counts summed.
@@ -22,200 +15,34 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..classifier import per_example_loss
-from ..data import Collator, TextDataset, chunks, length_sorted
+from ..data import TextDataset
+from ..metrics import (
+    DETAIL_MAX_CLASSES,
+    MULTI_LABEL_THRESHOLD,
+    WORST_CLASSES,
+    metrics_from_counts,
+    multi_label_metrics,
+    regression_metrics,
+)
+from ..problem import ProblemType
+from .batching import Collator, chunks, length_sorted
 from .settings import _is_int, check_max_length
 from .steps import Dist, autocast
 
+__all__ = [
+    "DETAIL_MAX_CLASSES",
+    "HEADLINE",
+    "MULTI_LABEL_THRESHOLD",
+    "WORST_CLASSES",
+    "evaluate",
+    "metrics_from_counts",
+    "multi_label_metrics",
+    "predict",
+    "regression_metrics",
+]
+
 # The metrics shown in logs, reports and plots, by problem type.
-HEADLINE = {
-    "single_label_classification": ("accuracy", "macro_f1"),
-    "regression": ("pearson", "spearman"),
-    "multi_label_classification": ("micro_f1", "macro_f1"),
-}
-LOSS_NAME = {
-    "single_label_classification": "cross-entropy",
-    "regression": "MSE",
-    "multi_label_classification": "BCE",
-}
-MULTI_LABEL_THRESHOLD = 0.5  # on the sigmoid: transformers' pipelines and the Trainer examples use it too
-
-
-# Per-class figures and the confusion matrix are stored only up to this many labels; above
-# it an evaluation keeps a fixed-size summary, so metrics.json and the training state stay
-# bounded however many classes there are (10,000 classes: 800 MB per confusion matrix).
-DETAIL_MAX_CLASSES = 50
-WORST_CLASSES = 10  # listed in the summary of a many-class evaluation
-
-
-def _f1(tp: Tensor, predicted: Tensor, actual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
-    return precision, recall, f1
-
-
-def metrics_from_counts(
-    tp: Tensor, predicted: Tensor, actual: Tensor, loss_sum: float, names: list[str], confusion: Tensor | None = None
-) -> dict[str, Any]:
-    """Accuracy, macro-F1 and per-class precision/recall/F1 from per-class counts (K,):
-    true positives, predictions and true labels. Macro-F1 averages over the classes that
-    occur as a true label or a prediction (scikit-learn's default). Up to
-    `DETAIL_MAX_CLASSES` classes the result holds `per_class` and the `confusion` matrix
-    (rows: true label, columns: prediction) if given; above it `per_class_summary`."""
-    tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
-    total = float(actual.sum())
-    precision, recall, f1 = _f1(tp, predicted, actual)
-    present = (predicted + actual) > 0
-    result: dict[str, Any] = {
-        "loss": loss_sum / total,
-        "accuracy": float(tp.sum()) / total,
-        "macro_f1": float(f1[present].mean()) if bool(present.any()) else 0.0,
-        "n": int(total),
-    }
-    if len(names) <= DETAIL_MAX_CLASSES:
-        result["per_class"] = _per_class(names, precision, recall, f1, actual)
-        if confusion is not None:
-            result["confusion"] = confusion.long().cpu().tolist()
-    else:
-        supported = (actual > 0).nonzero().flatten()
-        worst = supported[f1[supported].argsort(stable=True)[:WORST_CLASSES]].tolist()
-        q = (
-            f1[present].quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=f1.dtype)).tolist()
-            if bool(present.any())
-            else [0.0] * 5
-        )
-        result["per_class_summary"] = {
-            "classes": len(names),
-            "classes_present": int(present.sum()),
-            "f1_quantiles": dict(zip(("min", "p25", "median", "p75", "max"), q)),
-            "worst_f1": [{"label": names[i], "f1": float(f1[i]), "support": int(actual[i])} for i in worst],
-        }
-    return result
-
-
-def _per_class(names: list[str], precision: Tensor, recall: Tensor, f1: Tensor, actual: Tensor) -> dict:
-    """Each label's precision, recall, F1 and support (its number of target examples)."""
-    return {
-        name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
-        for name, p, r, f, n in zip(names, precision, recall, f1, actual)
-    }
-
-
-def multi_label_metrics(
-    tp: Tensor, predicted: Tensor, actual: Tensor, exact: float, n: int, loss_sum: float, names: list[str]
-) -> dict[str, Any]:
-    """Micro-F1 (over every example-label decision), macro-F1 (mean over the labels that
-    occur as a target or a prediction, as for single-label), exact match, and per-label
-    figures up to `DETAIL_MAX_CLASSES` labels. `loss_sum` is summed per-example BCE."""
-    tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
-    precision, recall, f1 = _f1(tp, predicted, actual)
-    present = (predicted + actual) > 0
-    denominator = float(predicted.sum() + actual.sum())
-    result: dict[str, Any] = {
-        "loss": loss_sum / n,
-        "micro_f1": 2 * float(tp.sum()) / denominator if denominator else 0.0,
-        "macro_f1": float(f1[present].mean()) if bool(present.any()) else 0.0,
-        "exact_match": exact / n,
-        "n": n,
-    }
-    if len(names) <= DETAIL_MAX_CLASSES:
-        result["per_class"] = _per_class(names, precision, recall, f1, actual)
-    return result
-
-
-def _ranks(x: Tensor) -> Tensor:
-    """0-based ranks, ties given their average rank (as scipy.stats.rankdata)."""
-    order = x.argsort(stable=True)
-    _, inverse, counts = torch.unique_consecutive(x[order], return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()
-    ranks = torch.empty(len(x), dtype=torch.float64)
-    ranks[order] = ((2 * ends - counts - 1) / 2)[inverse]
-    return ranks
-
-
-def pearson(a: Tensor, b: Tensor) -> float:
-    """Pearson's r; 0.0 when either side is constant (r is undefined there, and 0 keeps a
-    run that predicts one value from being chosen as the best)."""
-    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
-    denominator = float(a.norm() * b.norm())
-    return float((a * b).sum()) / denominator if denominator > 0 else 0.0
-
-
-def regression_metrics(predictions: Tensor, targets: Tensor, loss_sum: float) -> dict[str, Any]:
-    """Pearson and Spearman correlation (Pearson of the ranks) over all examples."""
-    n = len(targets)
-    return {
-        "loss": loss_sum / n,
-        "pearson": pearson(predictions, targets),
-        "spearman": pearson(_ranks(predictions), _ranks(targets)),
-        "n": n,
-    }
-
-
-class _Counts:
-    """Single-label: per-class counts (true positives, predictions, labels), and the
-    confusion matrix when the classes are few enough to store it: memory O(K) otherwise."""
-
-    def __init__(self, k: int, device: torch.device):
-        self.k = k
-        self.counts = torch.zeros(3, k, dtype=torch.float64, device=device)
-        self.confusion = torch.zeros(k * k if k <= DETAIL_MAX_CLASSES else 0, dtype=torch.float64, device=device)
-
-    def add(self, logits: Tensor, labels: Tensor) -> None:
-        guess, k = logits.argmax(-1), self.k
-        self.counts[0] += torch.bincount(labels[labels == guess], minlength=k).double()
-        self.counts[1] += torch.bincount(guess, minlength=k).double()
-        self.counts[2] += torch.bincount(labels, minlength=k).double()
-        if self.confusion.numel():
-            self.confusion += torch.bincount(labels * k + guess, minlength=k * k).double()
-
-    def finish(self, loss_sum: float, names: list[str], d: Dist) -> dict[str, Any]:
-        counts, confusion = d.sum(self.counts), d.sum(self.confusion)
-        matrix = confusion.view(self.k, self.k) if confusion.numel() else None
-        return metrics_from_counts(*counts, loss_sum, names, matrix)
-
-
-class _MultiLabelCounts:
-    def __init__(self, k: int, device: torch.device):
-        self.counts = torch.zeros(3, k, dtype=torch.float64, device=device)
-        self.exact = torch.zeros(2, dtype=torch.float64, device=device)  # exact matches, examples
-
-    def add(self, logits: Tensor, labels: Tensor) -> None:
-        guess, truth = logits >= 0, labels > 0.5  # sigmoid >= MULTI_LABEL_THRESHOLD
-        self.counts[0] += (guess & truth).sum(0).double()
-        self.counts[1] += guess.sum(0).double()
-        self.counts[2] += truth.sum(0).double()
-        self.exact += torch.stack([(guess == truth).all(-1).sum(), torch.tensor(len(labels))]).double()
-
-    def finish(self, loss_sum: float, names: list[str], d: Dist) -> dict[str, Any]:
-        counts, exact = d.sum(self.counts), d.sum(self.exact)
-        return multi_label_metrics(*counts, float(exact[0]), int(exact[1]), loss_sum, names)
-
-
-class _Predictions:
-    """Regression: every prediction and target, since rank correlation needs them all."""
-
-    def __init__(self, k: int, device: torch.device):
-        self.predictions: list[Tensor] = []
-        self.targets: list[Tensor] = []
-
-    def add(self, logits: Tensor, labels: Tensor) -> None:
-        self.predictions.append(logits.reshape(-1).cpu())
-        self.targets.append(labels.reshape(-1).float().cpu())
-
-    def finish(self, loss_sum: float, names: list[str], d: Dist) -> dict[str, Any]:
-        gathered = d.gather((torch.cat(self.predictions).tolist(), torch.cat(self.targets).tolist()))
-        predictions = torch.tensor([x for p, _ in gathered for x in p], dtype=torch.float64)
-        targets = torch.tensor([x for _, t in gathered for x in t], dtype=torch.float64)
-        return regression_metrics(predictions, targets, loss_sum)
-
-
-ACCUMULATORS = {
-    "single_label_classification": _Counts,
-    "regression": _Predictions,
-    "multi_label_classification": _MultiLabelCounts,
-}
+HEADLINE = {p.value: p.headline for p in ProblemType}
 
 
 @torch.no_grad()
@@ -227,7 +54,7 @@ def evaluate(
     batch_size: int,
     bf16: bool = False,
     desc: str = "eval",
-    problem_type: str = "single_label_classification",
+    problem_type: str = ProblemType.SINGLE_LABEL,
     fp16: bool = False,
 ) -> dict[str, Any]:
     """The loss and the metrics of `problem_type` (see the module docstring) on
@@ -236,7 +63,8 @@ def evaluate(
     model.eval()
     device = dist_info.device
     order = length_sorted(collate.dataset)[dist_info.rank :: dist_info.world_size]
-    accumulator = ACCUMULATORS[problem_type](len(names), device)
+    problem = ProblemType(problem_type)
+    accumulator = problem.accumulator(len(names), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for indices in tqdm(
         list(chunks(order, batch_size)), desc=desc, leave=False, disable=not dist_info.is_main, dynamic_ncols=True
@@ -245,18 +73,11 @@ def evaluate(
         with autocast(device, bf16=bf16, fp16=fp16):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
             logits = model(**inputs).logits.float()
-        loss_sum += per_example_loss(logits, batch["labels"], problem_type).sum().double()
+        loss_sum += problem.loss(logits, batch["labels"]).sum().double()
         accumulator.add(logits, batch["labels"])
     loss_sum = dist_info.sum(loss_sum)
     model.train(was_training)
     return accumulator.finish(float(loss_sum), names, dist_info)
-
-
-def problem_type_of(config) -> str:
-    """The config's problem_type, or transformers' guess from the number of outputs."""
-    if config.problem_type:
-        return config.problem_type
-    return "regression" if config.num_labels == 1 else "single_label_classification"
 
 
 @torch.no_grad()
@@ -276,7 +97,7 @@ def predict(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     check_max_length(max_length, model.config.max_position_embeddings, pairs=dataset.pairs is not None)
     device = torch.device(device)
-    problem_type = problem_type_of(model.config)
+    problem = ProblemType.of_config(model.config)
     model.eval()
     collate = Collator(tokenizer, dataset, max_length)
     scores = torch.full((len(dataset), model.config.num_labels), math.nan)  # NaN until written: a gap shows
@@ -284,9 +105,5 @@ def predict(
         batch = {k: v.to(device) for k, v in collate(indices).items() if k != "index"}
         with autocast(device, bf16=bf16):
             logits = model(**batch).logits.float()
-        if problem_type == "single_label_classification":
-            logits = logits.softmax(-1)
-        elif problem_type == "multi_label_classification":
-            logits = logits.sigmoid()
-        scores[torch.tensor(indices)] = logits.cpu()
+        scores[torch.tensor(indices)] = problem.scores(logits).cpu()
     return scores

@@ -1,28 +1,30 @@
-"""What a run writes besides the model: JSON files, the PNG of the curves (matplotlib, the
-`plot` extra; skipped with a note when it is missing), TensorBoard scalars
-(`--report-to tensorboard`, the `tensorboard` extra), and the comparison of two runs."""
+"""What a run writes besides the model: the resolved settings, metrics.json, the PNG of the
+curves (matplotlib, the `plot` extra; skipped with a note when it is missing), TensorBoard
+scalars (`--report-to tensorboard`, the `tensorboard` extra), and the comparison of two runs.
+Every file is written through `checkpoint.atomic_write` (a temporary name, renamed into place)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import checkpoint as ckpt
+from ..data import write_texts
 from ..extras import MissingExtra, install_hint, require
-from .evaluation import HEADLINE, LOSS_NAME
+from ..problem import ProblemType
+from .run_folder import DATA_DIR, RESOLVED_CONFIG
+
+if TYPE_CHECKING:
+    from .recipe import FinetuneRecipe
 
 log = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
-
-
-def torch_save_atomic(obj: Any, path: Path) -> None:
-    with ckpt.atomic_write(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def write_json(obj: Any, path: Path) -> None:
@@ -73,8 +75,8 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    problem_type = metrics.get("config", {}).get("problem_type", "single_label_classification")
-    headline = HEADLINE[problem_type]
+    problem = ProblemType(metrics.get("config", {}).get("problem_type") or ProblemType.SINGLE_LABEL)
+    headline = problem.headline
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     # The other run is drawn dashed on top, so identical curves show as one line with dashes.
     runs = [(metrics, "", "C0", "-")] + ([(other, f" ({other.get('name', 'other')})", "C3", "--")] if other else [])
@@ -92,7 +94,7 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     ax_lr.set_ylabel("learning rate", color="0.4")
     ax_lr.set_ylim(bottom=0)
     low = min([0.0] + [e["validation"][m] for e in metrics["evaluations"] for m in headline])
-    ax_loss.set(xlabel="optimiser step", ylabel=LOSS_NAME[problem_type], title="loss")
+    ax_loss.set(xlabel="optimiser step", ylabel=problem.loss_name, title="loss")
     ax_metric.set(xlabel="optimiser step", ylabel="validation", title="validation metrics", ylim=(low - 0.05, 1.05))
     best = metrics.get("best")
     if best and best.get("metric") in headline:
@@ -166,3 +168,94 @@ def compare_runs(metrics: dict[str, Any], other: dict[str, Any]) -> dict[str, An
         "first_step_above_1e-4": min((s for s, x in zip(common, diffs) if x > 1e-4), default=None),
         "test": {"this": metrics.get("test"), "other": other.get("test")},
     }
+
+
+def resolved_config(run: FinetuneRecipe) -> dict[str, Any]:
+    """The settings as run: the options, and what they came to on this data and machine."""
+    splits, model = run.splits, run.model
+    return {
+        **dataclasses.asdict(run.cfg),
+        "metric_for_best": run.cfg.metric,
+        "labels": splits.names,
+        "sizes": {
+            "train": run.n_train,
+            "validation": len(splits.validation),
+            "test": len(splits.test) if splits.test else 0,
+        },
+        "world_size": run.d.world_size,
+        "micro_batch_size": run.micro,
+        "steps_per_epoch": run.steps_per_epoch,
+        "total_steps": run.total_steps,
+        "warmup_steps": run.warmup_steps,
+        "device": str(run.d.device),
+        "model": type(model).__module__ + "." + type(model).__name__,
+        "tokenizer_dir": str(run.source_dir),
+        "torch": torch.__version__,
+    }
+
+
+def write_run_files(run: FinetuneRecipe) -> None:
+    """The resolved settings, and a bundled dataset's split as CSV files, into the run's folder."""
+    cfg, resolved = run.cfg, resolved_config(run)
+    run.out.mkdir(parents=True, exist_ok=True)
+    write_json(resolved, run.out / RESOLVED_CONFIG)
+    if cfg.dataset is not None and not cfg.resume:  # the bundled split as files, to inspect or reuse with --train
+        for split in ("train", "validation", "test"):
+            if getattr(run.splits, split) is not None:
+                write_texts(getattr(run.splits, split), run.out / DATA_DIR / f"{split}.csv")
+    log.info(
+        "%s: %d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
+        "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %s schedule with %d warmup, on %s",
+        cfg.problem_type,
+        run.n_train,
+        resolved["sizes"]["validation"],
+        resolved["sizes"]["test"],
+        run.splits.names if len(run.splits.names) <= 20 else f"({len(run.splits.names)})",
+        run.steps_per_epoch,
+        cfg.batch_size,
+        run.micro,
+        cfg.grad_accum_steps,
+        run.d.world_size,
+        run.total_steps,
+        cfg.lr_scheduler_type,
+        run.warmup_steps,
+        run.d.device,
+    )
+
+
+def metrics_document(run: FinetuneRecipe, status: str) -> dict[str, Any]:
+    """The document written to metrics.json."""
+    model, history = run.model, run.history
+    train_time = history["train_time_s"]
+    return {
+        "name": f"{type(model).__module__.split('.')[0]} {type(model).__name__} on {run.cfg.dataset or run.cfg.train}",
+        "output_dir": str(run.out),
+        "status": status,
+        "problem_type": run.cfg.problem_type,
+        "labels": run.splits.names,
+        "config": resolved_config(run),
+        "global_step": run.global_step,
+        "epochs_completed": round(run.global_step / run.steps_per_epoch, 4),
+        "train_time_s": round(train_time, 2),
+        "train_examples_per_s": round(history["examples"] / train_time, 2) if train_time else None,
+        "best": history["best"],
+        "early_stopping": history["early_stopping"],
+        "evaluations": history["evaluations"],
+        "steps": history["steps"],
+    }
+
+
+def compare_with(metrics: dict[str, Any], other_path: Path, out: Path) -> None:
+    """Add the comparison with the run whose metrics.json is `other_path` to `metrics`, and
+    plot both into `out`; a run that cannot be read is a warning, never a lost run."""
+    try:
+        other = json.loads(other_path.read_text(encoding="utf-8"))
+        metrics["comparison"] = compare_runs(metrics, other)
+        plot_curves(metrics, out / "comparison_curves.png", other)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # never lose a finished run over it
+        log.warning(
+            "compare_to: cannot compare with %s (%s: %s); the run itself is complete",
+            other_path,
+            type(exc).__name__,
+            exc,
+        )

@@ -13,24 +13,21 @@ import dataclasses
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..classifier import PROBLEM_TYPES
 from ..data import BUILTIN_DATASETS
+from ..devices import resolve_device
+from ..problem import ProblemType
 
 # Validation metrics for each problem type (the first is the default); loss is minimised.
-METRICS = {
-    "single_label_classification": ("accuracy", "macro_f1", "loss"),
-    "regression": ("pearson", "spearman", "loss"),
-    "multi_label_classification": ("micro_f1", "macro_f1", "exact_match", "loss"),
-}
+METRICS = {p.value: p.metrics for p in ProblemType}
+# The problem type of each bundled dataset's labels.
+DATASET_PROBLEM = {"mr": ProblemType.SINGLE_LABEL, "sms": ProblemType.SINGLE_LABEL, "mr_scores": ProblemType.REGRESSION}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")  # transformers' get_scheduler names
 REPORT_TO = ("none", "tensorboard")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class FinetuneError(ValueError):
@@ -68,10 +65,9 @@ class FinetuneConfig:
         want="in [0, 1)",
     )
     problem_type: str = option(
-        "single_label_classification",
-        "single_label_classification (one class per text), regression (a number per text, MSE loss) or "
-        "multi_label_classification (a set of labels per text, sigmoid + BCE loss)",
-        choices=PROBLEM_TYPES,
+        ProblemType.SINGLE_LABEL.value,
+        ", ".join(f"{p.value} ({p.help})" for p in ProblemType),
+        choices=ProblemType.choices(),
         resume=True,
     )
     # Data.
@@ -166,9 +162,9 @@ class FinetuneConfig:
     )
     metric_for_best: str | None = option(
         None,
-        "validation metric choosing the saved checkpoint: accuracy, macro_f1 (single-label; default accuracy); "
-        "pearson, spearman (regression; default pearson); micro_f1, macro_f1, exact_match (multi-label; "
-        "default micro_f1); or loss",
+        "validation metric choosing the saved checkpoint: "
+        + "; ".join(f"{', '.join(p.metrics[:-1])} ({p.short}; default {p.metrics[0]})" for p in ProblemType)
+        + "; or loss",
         choices=tuple(dict.fromkeys(m for ms in METRICS.values() for m in ms)),
         resume=True,
     )
@@ -202,12 +198,9 @@ class FinetuneConfig:
             problems.append("give either a bundled dataset (--dataset) or a training file (--train), not both")
         if self.dataset is None and self.train is None:
             problems.append("no training data: pass --train FILE (CSV, TSV or JSONL) or --dataset mr|mr_scores|sms")
-        if self.dataset == "mr_scores" and self.problem_type != "regression":
-            problems.append("--dataset mr_scores holds numbers: use it with --problem-type regression")
-        if self.dataset in ("mr", "sms") and self.problem_type != "single_label_classification":
-            problems.append(
-                f"--dataset {self.dataset} holds one class per text: use --problem-type single_label_classification"
-            )
+        wanted = DATASET_PROBLEM.get(self.dataset) if isinstance(self.dataset, str) else None
+        if wanted is not None and self.problem_type != wanted:
+            problems.append(f"--dataset {self.dataset} holds {wanted.help.split(',')[0]}: use --problem-type {wanted}")
         allowed = METRICS.get(self.problem_type)
         if allowed and self.metric_for_best is not None and self.metric_for_best not in allowed:
             problems.append(
@@ -221,8 +214,11 @@ class FinetuneConfig:
             problems.append(
                 f"--text-column, --text-pair-column and --label-column must name different columns, got {columns}"
             )
-        if isinstance(self.device, str) and not _DEVICE.fullmatch(self.device):
-            problems.append(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if isinstance(self.device, str):
+            try:
+                resolve_device(self.device, what="--device")
+            except ValueError as exc:
+                problems.append(str(exc))
         if _is_int(self.max_length) and self.max_length >= 1:
             try:
                 check_max_length(self.max_length, None, pairs=self.text_pair_column is not None)

@@ -17,23 +17,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import random
+import signal
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data.distributed import DistributedSampler
 
-from ..classifier import per_example_loss
+from ..devices import resolve_device
+from ..problem import ProblemType, per_example_loss
 from .settings import FinetuneConfig, FinetuneError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
+
+log = logging.getLogger(__name__)
+
+# Not --resume: it must keep the settings, so it would diverge again at the same step.
+DIVERGED_ADVICE = (
+    "lower --lr, keep --max-grad-norm on (e.g. 1.0), or drop --bf16, and start again with "
+    "--overwrite or in another --output-dir"
+)
 
 
 class DivergedError(FinetuneError):
     """The loss or the gradient became NaN or infinite: nothing is saved from such a step."""
+
+
+def check_finite_weights(model: nn.Module, when: str) -> None:
+    """No checkpoint is ever written from NaN or infinite weights."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise DivergedError(
+            f"{len(bad)} weight tensor(s) hold NaN or Inf at {when} (e.g. {', '.join(bad[:3])}); "
+            f"nothing was saved from them; {DIVERGED_ADVICE}"
+        )
 
 
 # -----------------------------------------------------------------------------------------
@@ -77,19 +103,24 @@ class Dist:
 
 def setup_distributed(device: str = "auto") -> Dist:
     """Join the torchrun job described by the environment (WORLD_SIZE, RANK, LOCAL_RANK):
-    NCCL on CUDA, gloo on the CPU. Each process uses the GPU of its local rank."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FinetuneError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    NCCL on CUDA, gloo on the CPU. `device` is a `--device` string (`devices.resolve_device`);
+    "auto" and "cuda" give each process the GPU of its local rank, "cuda:N" GPU N."""
+    try:
+        resolved = resolve_device(device, what="--device")
+    except ValueError as exc:
+        raise FinetuneError(str(exc)) from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise FinetuneError(f"--device {device!r} gives {resolved}; fine-tuning runs on 'cpu' or 'cuda[:N]'")
+    use_cuda = resolved.type == "cuda"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        index = int(device.split(":")[1]) if ":" in device else local_rank
+        index = resolved.index if resolved.index is not None else local_rank
         if index >= torch.cuda.device_count():
             raise FinetuneError(
-                f"device cuda:{index} asked for, but this machine has {torch.cuda.device_count()} "
-                "CUDA device(s); pick one of them with --device cuda:N"
+                f"process {rank} wants cuda:{index} (its local rank), but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s); start at most that many processes per node"
             )
         torch_device = torch.device("cuda", index)
         torch.cuda.set_device(torch_device)
@@ -102,28 +133,46 @@ def setup_distributed(device: str = "auto") -> Dist:
     return Dist(rank=rank, world_size=world_size, device=torch_device, owns_group=owns)
 
 
+class StopRequest:
+    """Turns Ctrl-C / SIGTERM into "stop after this step and save"; a second Ctrl-C aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("interrupted: stopping after the current step and saving a checkpoint (again to abort)")
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class ResumableSampler(DistributedSampler):
+    """`DistributedSampler` that can start part-way into an epoch (resume): `start` positions
+    of this process's share are skipped."""
+
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this process's device
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 # -----------------------------------------------------------------------------------------
@@ -151,8 +200,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_optimizer(model: nn.Module, cfg: FinetuneConfig) -> torch.optim.AdamW:
     groups = param_groups(model, cfg.weight_decay)
     params = [p for g in groups for p in g["params"]]
-    # The fused kernel: one pass over each tensor instead of a dozen (7x faster on the CPU
-    # for MiniLM, whose 30522 x 384 word embeddings are half its parameters).
+    # The fused kernel: one pass over each tensor instead of a dozen (a large gain on the CPU,
+    # where MiniLM's (30522, 384) word embeddings are half its parameters; see the bench).
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None
@@ -224,7 +273,7 @@ def train_step(
     weights: list[Tensor],
     n_real: int,
     *,
-    problem_type: str = "single_label_classification",
+    problem_type: str = ProblemType.SINGLE_LABEL,
     world_size: int = 1,
     max_grad_norm: float = 1.0,
     bf16: bool = False,
@@ -257,6 +306,18 @@ def train_step(
             loss = (losses * weight).sum() * (world_size / n_real)
             (scaler.scale(loss) if fp16 else loss).backward()
         loss_sum += (losses.detach() * weight).sum().double()
+    return loss_sum, _clip_and_step(optimizer, scheduler, max_grad_norm, scaler)
+
+
+def _clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR | None,
+    max_grad_norm: float,
+    scaler: torch.amp.GradScaler | None,
+) -> float | None:
+    """Clip the accumulated gradient, check it, and take the optimiser and schedule step.
+    Returns the gradient norm before clipping (None when clipping is off)."""
+    fp16 = scaler is not None
     if fp16:
         scaler.unscale_(optimizer)  # clip and report the true gradient
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -283,4 +344,4 @@ def train_step(
         if scheduler is not None:
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return grad_norm

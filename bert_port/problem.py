@@ -1,0 +1,259 @@
+"""The three problem types of transformers' `BertForSequenceClassification`, defined once.
+
+`ProblemType` is a `str` enum whose values are transformers' strings, as they stand in
+`config.json` and on the command line (`--problem-type`). Each member owns everything that
+differs between the three:
+
+  - its loss (`loss`: per example, (B,); `batch_loss`: transformers' mean for a batch);
+  - how its labels are read (`label_kind`, the reader `bert_port.data.load_texts` applies),
+    named (`label_names`), checked against training (`check_labels`) and turned into
+    targets (`targets`);
+  - its metrics (`metrics`, the first the default `--metric-for-best`; `headline`; the
+    accumulator that computes them, from `bert_port.metrics`);
+  - what a prediction holds (`scores`: softmax, sigmoid or the values; `output_columns`,
+    `prediction`, `summary` for `bert-port-predict`);
+  - the command-line choices (`ProblemType.choices()`) and their help (`help`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .data import LABEL_SEPARATOR, DataError, TextDataset, label_names, label_set
+from .metrics import ClassCounts, MultiLabelCounts, Predictions
+
+IGNORE_INDEX = -100  # cross_entropy's default: a label to leave out of the loss
+
+
+class ProblemType(str, enum.Enum):
+    """One row per problem type: (config string, short name, help, label kind, loss name,
+    metrics, accumulator). Compare members with the plain strings freely (`str` enum)."""
+
+    REGRESSION = (
+        "regression",
+        "regression",
+        "a number per text, MSE loss",
+        "float",
+        "MSE",
+        ("pearson", "spearman", "loss"),
+        Predictions,
+    )
+    SINGLE_LABEL = (
+        "single_label_classification",
+        "single-label",
+        "one class per text",
+        "class",
+        "cross-entropy",
+        ("accuracy", "macro_f1", "loss"),
+        ClassCounts,
+    )
+    MULTI_LABEL = (
+        "multi_label_classification",
+        "multi-label",
+        "a set of labels per text, sigmoid + BCE loss",
+        "multi",
+        "BCE",
+        ("micro_f1", "macro_f1", "exact_match", "loss"),
+        MultiLabelCounts,
+    )
+
+    def __new__(cls, value: str, short: str, help: str, label_kind: str, loss_name: str, metrics, accumulator):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.short, member.help, member.label_kind, member.loss_name = short, help, label_kind, loss_name
+        member.metrics, member.accumulator = metrics, accumulator
+        return member
+
+    def __str__(self) -> str:  # the config string, in messages and f-strings
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value: object):
+        raise ValueError(f"unknown problem_type {value!r}; use one of {', '.join(cls.choices())}")
+
+    # --- names -----------------------------------------------------------------------------
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...]:
+        """The strings `--problem-type` accepts."""
+        return tuple(p.value for p in cls)
+
+    @classmethod
+    def of_config(cls, config) -> ProblemType:
+        """A config's problem type, or transformers' guess from its number of outputs."""
+        if config.problem_type:
+            return cls(config.problem_type)
+        return cls.REGRESSION if config.num_labels == 1 else cls.SINGLE_LABEL
+
+    @classmethod
+    def infer(cls, num_labels: int, labels: Tensor) -> ProblemType:
+        """transformers' rule when `config.problem_type` is unset: one output is regression,
+        integer labels are single-label classification, anything else (float multi-hot) is
+        multi-label."""
+        if num_labels == 1:
+            return cls.REGRESSION
+        if labels.dtype in (torch.long, torch.int):
+            return cls.SINGLE_LABEL
+        return cls.MULTI_LABEL
+
+    @property
+    def headline(self) -> tuple[str, str]:
+        """The two metrics shown in logs, reports and plots."""
+        return self.metrics[0], self.metrics[1]
+
+    # --- loss ------------------------------------------------------------------------------
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """The loss of each example, (B,), such that its mean is transformers' loss for the
+        batch: MSE (averaged over outputs), cross-entropy, or BCE-with-logits (averaged over
+        labels). The training loop sums these over a global batch, so that gradient
+        accumulation and several processes give the same gradient as one large batch."""
+        if self is ProblemType.REGRESSION:
+            if logits.shape[-1] == 1:  # HF squeezes a single output
+                return F.mse_loss(logits.squeeze(-1), labels.reshape(-1).to(logits.dtype), reduction="none")
+            return F.mse_loss(logits, labels.to(logits.dtype), reduction="none").mean(-1)
+        if self is ProblemType.SINGLE_LABEL:
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(-1)
+
+    def batch_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """transformers' loss of a batch, a 0-d tensor: the mean of `loss`, except that
+        single-label rows labelled -100 count neither in the sum nor the mean."""
+        per_example = self.loss(logits, labels)
+        if self is ProblemType.SINGLE_LABEL:
+            return per_example.sum() / (labels.view(-1) != IGNORE_INDEX).sum()
+        return per_example.mean()
+
+    # --- labels ----------------------------------------------------------------------------
+
+    def label_names(self, dataset: TextDataset, label_column: str) -> list[str]:
+        """The label map, id -> name: the classes (single-label), the union of the label sets
+        (multi-label), or the one output, named after the label column (regression)."""
+        if self is ProblemType.REGRESSION:
+            return [label_column]
+        if self is ProblemType.MULTI_LABEL:
+            return label_names([name for label in dataset.labels for name in label_set(label)])
+        return label_names(dataset.labels)
+
+    def _members(self, label: str) -> list[str]:
+        return label_set(label) if self is ProblemType.MULTI_LABEL else [label]
+
+    def check_labels(self, dataset: TextDataset, names: Sequence[str], split: str) -> None:
+        """Every label of `dataset` must be one the model was trained on (regression: any number)."""
+        if self is ProblemType.REGRESSION:
+            return
+        known = set(names)
+        unseen = Counter(name for label in dataset.labels for name in self._members(label) if name not in known)
+        if unseen:
+            first = {
+                name: next(r for r, lab in zip(dataset.rows, dataset.labels) if name in self._members(lab))
+                for name in unseen
+            }
+            listed = ", ".join(
+                f"{label!r} ({n} row(s), first at line {first[label]})" for label, n in unseen.most_common()
+            )
+            raise DataError(
+                f"{dataset.source}: the {split} data has label(s) never seen in training: {listed}. Training labels "
+                f"are {list(names)}. Correct those labels, or add training examples of them"
+            )
+
+    def check_label_map(self, names: Sequence[str], source: str) -> None:
+        """The training labels must make a model: two classes at least (single-label), one
+        label at least (multi-label)."""
+        if self is ProblemType.SINGLE_LABEL and len(names) < 2:
+            raise DataError(
+                f"{source}: every training example has the label {names[0]!r}; a classifier needs "
+                "examples of at least two labels"
+            )
+        if not names:
+            raise DataError(f"{source}: no training example has any label; a multi-label classifier needs some")
+
+    def targets(self, dataset: TextDataset, names: Sequence[str]) -> Tensor:
+        """The training targets of every example, as transformers' losses take them: class
+        ids (N,) long; values (N,) float (regression); multi-hot (N, K) float (multi-label)."""
+        if self is ProblemType.REGRESSION:
+            return torch.tensor([float(label) for label in dataset.labels], dtype=torch.float32)
+        index = {name: i for i, name in enumerate(names)}
+        if self is ProblemType.MULTI_LABEL:
+            hot = torch.zeros(len(dataset), len(names), dtype=torch.float32)
+            for row, label in enumerate(dataset.labels):
+                hot[row, [index[name] for name in label_set(label)]] = 1.0
+            return hot
+        return torch.tensor([index[label] for label in dataset.labels], dtype=torch.long)
+
+    # --- predictions -----------------------------------------------------------------------
+
+    def scores(self, logits: Tensor) -> Tensor:
+        """What a prediction reports, (N, K): class probabilities (softmax), per-label
+        probabilities (sigmoid), or the predicted values (regression)."""
+        if self is ProblemType.SINGLE_LABEL:
+            return logits.softmax(-1)
+        if self is ProblemType.MULTI_LABEL:
+            return logits.sigmoid()
+        return logits
+
+    def output_columns(self, names: Sequence[str]) -> list[str]:
+        """The columns a prediction adds (CSV/TSV and JSONL alike, so either clash is refused)."""
+        if self is ProblemType.REGRESSION:
+            return ["predicted_value"] if len(names) == 1 else [f"predicted_{n}" for n in names]
+        head = "predicted_labels" if self is ProblemType.MULTI_LABEL else "predicted_label"
+        return [head, "probabilities"] + [f"prob_{n}" for n in names]
+
+    def prediction(self, names: Sequence[str], scores: list[float], threshold: float) -> dict[str, Any]:
+        """One row's prediction as JSON: the value(s), or the label(s) and each probability
+        (multi-label: the labels whose probability is at least `threshold`)."""
+        if self is ProblemType.REGRESSION:
+            return dict(zip(self.output_columns(names), scores))
+        probabilities = dict(zip(names, scores))
+        if self is ProblemType.MULTI_LABEL:
+            return {
+                "predicted_labels": [n for n, p in probabilities.items() if p >= threshold],
+                "probabilities": probabilities,
+            }
+        best = max(range(len(scores)), key=scores.__getitem__)
+        return {"predicted_label": names[best], "probabilities": probabilities}
+
+    def summary(self, names: Sequence[str], rows: list[dict[str, Any]]) -> str:
+        """One line on a file of predictions: the range of values, or the count per label."""
+        if self is ProblemType.REGRESSION:
+            key = next(iter(rows[0])) if rows else "predicted_value"
+            values = [r[key] for r in rows]
+            return f"{key} from {min(values, default=0):.4g} to {max(values, default=0):.4g}"
+        key = self.output_columns(names)[0]
+        counts = {n: sum(n in r[key] if isinstance(r[key], list) else n == r[key] for r in rows) for n in names}
+        return ", ".join(f"{n}: {c}" for n, c in counts.items())
+
+
+def flat_prediction(prediction: Mapping[str, Any]) -> dict[str, Any]:
+    """A prediction as CSV/TSV columns: `prob_<label>` columns, label lists joined by "|"."""
+    flat = {k: v for k, v in prediction.items() if k != "probabilities"}
+    if "predicted_labels" in flat:
+        flat["predicted_labels"] = LABEL_SEPARATOR.join(flat["predicted_labels"])
+    flat.update({f"prob_{n}": p for n, p in prediction.get("probabilities", {}).items()})
+    return flat
+
+
+def config_label_names(config, where: str) -> list[str]:
+    """The label names of a classifier config, id 0 first. Two ids with one name would give
+    one probability column for both, so they are refused (`DataError`), saying what to fix."""
+    names = [str(config.id2label[i]) for i in range(config.num_labels)]
+    repeated = {name: [i for i, n in enumerate(names) if n == name] for name, k in Counter(names).items() if k > 1}
+    if repeated:
+        listed = "; ".join(f"{name!r} for ids {', '.join(map(str, ids))}" for name, ids in repeated.items())
+        raise DataError(
+            f"{where}: id2label gives one name to several labels ({listed}), so their predictions could not be "
+            "told apart; give every id its own name in id2label (and label2id) of config.json"
+        )
+    return names
+
+
+def per_example_loss(logits: Tensor, labels: Tensor, problem_type: str) -> Tensor:
+    """`ProblemType(problem_type).loss(logits, labels)`: the loss of each example, (B,)."""
+    return ProblemType(problem_type).loss(logits, labels)

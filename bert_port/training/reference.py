@@ -1,0 +1,79 @@
+"""The model a fine-tuning run trains, saves and reloads: `bert_port`'s
+`BertForSequenceClassification`, or with `reference="hf"` (`--reference hf`) its transformers
+twin (`bert_port.reference.hf_twin`), started from the very same weights.
+
+The twin is built after the port model, from its weights, without moving torch's RNG, so
+both runs draw the same dropout masks in the same order: the two runs differ only in the
+code of the forward and backward passes. transformers is imported on demand (the `parity`
+extra); a missing install is a `MissingExtra` naming it, before any work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .. import checkpoint as ckpt
+from ..assets import minilm_dir
+from ..classifier import BertForSequenceClassification
+from ..extras import require
+from ..reference import hf_twin
+from .settings import FinetuneConfig
+from .steps import set_seed
+
+
+def require_reference(reference: str) -> None:
+    """Import what `reference` needs now, so that a missing package is refused before any work."""
+    if reference == "hf":
+        require("transformers")
+
+
+def build_model(cfg: FinetuneConfig, names: list[str]) -> tuple[nn.Module, Path]:
+    """The classifier to train, in train mode, and the directory of its tokenizer. The head
+    is initialised from the seeded RNG; with `cfg.reference == "hf"` transformers' twin is
+    returned, holding exactly the port model's initial weights."""
+    overrides: dict[str, Any] = {
+        "id2label": dict(enumerate(names)),
+        "label2id": {name: i for i, name in enumerate(names)},
+        "problem_type": cfg.problem_type,
+        "attn_implementation": cfg.attn_implementation,
+    }
+    if cfg.classifier_dropout is not None:
+        overrides["classifier_dropout"] = cfg.classifier_dropout
+    set_seed(cfg.seed)
+    model = BertForSequenceClassification.from_pretrained(cfg.checkpoint or minilm_dir(), **overrides)
+    source_dir = Path(model.source_dir)
+    if cfg.reference == "hf":
+        model = hf_twin(model, cfg.attn_implementation)  # leaves the RNG where the port model left it
+    if cfg.freeze_encoder:
+        for param in model.bert.parameters():
+            param.requires_grad_(False)
+    return model.train(), source_dir
+
+
+def load_trained(
+    output_dir: str | os.PathLike, reference: str = "port", attn_implementation: str = "sdpa"
+) -> nn.Module:
+    """Load the saved best checkpoint with the implementation that trained it."""
+    if reference == "hf":
+        transformers = require("transformers")
+        return transformers.BertForSequenceClassification.from_pretrained(
+            str(output_dir), attn_implementation=attn_implementation
+        ).eval()
+    return BertForSequenceClassification.from_pretrained(output_dir, attn_implementation=attn_implementation)
+
+
+def save_model(model: nn.Module, output_dir: Path, source_dir: Path) -> None:
+    """HF-format checkpoint of `model` with the tokenizer files beside it."""
+    if isinstance(model, BertForSequenceClassification):
+        model.source_dir = source_dir
+        model.save_pretrained(output_dir)
+        return
+    model.save_pretrained(str(output_dir))  # transformers' model: copy its tokenizer ourselves
+    for name in ckpt.TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            with ckpt.atomic_write(output_dir / name) as tmp:
+                tmp.write_bytes((source_dir / name).read_bytes())
