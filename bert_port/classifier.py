@@ -12,13 +12,9 @@ from torch import Tensor, nn
 
 from .bert import BertModel
 from .config import BertConfig
-from .outputs import ModelOutput
-
-# Bound before heads.py is imported: it takes IGNORE_INDEX from this module.
-from .problem import IGNORE_INDEX, ProblemType, per_example_loss
-
-# isort: split
 from .heads import _BertWithHead
+from .outputs import ModelOutput
+from .problem import IGNORE_INDEX, ProblemType, per_example_loss
 
 __all__ = ["IGNORE_INDEX", "BertForSequenceClassification", "per_example_loss"]
 

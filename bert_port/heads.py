@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from .base_bert import BertPreTrainedModel
 from .bert import BertModel
-from .classifier import IGNORE_INDEX
 from .config import BertConfig
 from .outputs import ModelOutput
+from .problem import IGNORE_INDEX
 from .utils import get_activation
 
 # The tied MLM decoder, in port names: target -> source (see BertPreTrainedModel.tied_weights).

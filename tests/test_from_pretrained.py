@@ -227,17 +227,18 @@ def test_resize_token_embeddings_as_transformers(tmp_path):
 
 
 def test_loading_does_not_import_the_write_side():
-    """Loading never writes, by construction: `loading` and `loader_arguments` import neither
-    `saving` nor any of the checkpoint package's write functions (staged writes, locks,
-    journal replay). (`checkpoint.locate_checkpoint` itself is the checkpoint package's.)"""
+    """Loading never writes, by construction: `loading`, `loader_arguments` and the checkpoint
+    package's read side (`reading`, `finite`, `locate`) import neither `saving` nor any of the
+    write side (`checkpoint.staging`, `shards`: staged writes, the exclusive lock, repair)."""
     import ast
     import inspect
 
     from bert_port import loader_arguments, loading
+    from bert_port.checkpoint import finite, locate, reading
 
     write_side = {"saving", "StagedWrite", "stage_weights", "write_weights", "atomic_write", "DirectoryLock", "tidy"}
-    write_side |= {"recover", "files"}  # `checkpoint.files` holds the staged writes until it is split
-    for module in (loading, loader_arguments):
+    write_side |= {"staging", "shards", "repair", "recover", "files"}
+    for module in (loading, loader_arguments, reading, finite, locate):
         tree = ast.parse(inspect.getsource(module))
         names = {
             alias.name.rsplit(".", 1)[-1]

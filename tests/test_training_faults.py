@@ -671,25 +671,22 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
 
 def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch):
     """A save killed after its commit point leaves a journal whose staged temporaries are
-    the new files. A run starting in that folder must finish the save (as the next load or
-    save would), not delete the new files as leftovers and roll back to the old ones."""
+    the new files. A run starting in that folder must finish the save (as the next save or
+    `repair` would), not delete the new files as leftovers and roll back to the old ones."""
     import bert_port.checkpoint as ckpt
     from bert_port.training import own_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text("old")
-    apply_journal = ckpt.files._apply_journal
 
-    def killed_after_the_commit_point(directory):
-        if (directory / ckpt.JOURNAL).is_file():
-            raise SystemExit("killed")  # the process dies with the journal in place
-        return False
+    def killed_after_the_commit_point(directory, journal):
+        raise SystemExit("killed")  # the process dies with the journal in place
 
-    monkeypatch.setattr(ckpt.files, "_apply_journal", killed_after_the_commit_point)
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", killed_after_the_commit_point)
     with pytest.raises(SystemExit), ckpt.StagedWrite(out) as stage:
         stage.text("config.json", "new")
-    monkeypatch.setattr(ckpt.files, "_apply_journal", apply_journal)
+    monkeypatch.undo()
     assert (out / ckpt.JOURNAL).is_file() and (out / "config.json").read_text() == "old"
 
     with own_output_dir(out):
