@@ -83,13 +83,11 @@ def hf_reference(minilm_path):
 
 
 def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **kwargs):
-    """A randomly initialised transformers model for `config` (a config.json dict)."""
-    import transformers
+    """A randomly initialised transformers model for `config` (a config.json dict), seed 0,
+    built by the package's one twin builder (`bert_port.reference`)."""
+    from bert_port.reference import random_hf_model
 
-    hf_config = transformers.BertConfig(**config)
-    hf_config._attn_implementation = attn
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(hf_config, **kwargs).eval()
+    return random_hf_model(config, cls_name, attn, seed=0, **kwargs)
 
 
 def port_from_hf(hf, config: dict, **overrides):

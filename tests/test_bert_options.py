@@ -500,13 +500,13 @@ def test_decoder_default_kv_cache_differs_by_an_ulp():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("attn", ATTNS)
 def test_bert_layer_standalone_matches_hf(attn, causal):
-    import transformers
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     config = dict(TINY, is_decoder=causal)
-    hf_config = transformers.BertConfig(**config)
-    hf_config._attn_implementation = attn
-    hf_layer = transformers.models.bert.modeling_bert.BertLayer(hf_config).eval()
+    # transformers' layer and the config it reads its attention implementation from, out of the
+    # twin builder's model (which sets that implementation through the public API).
+    hf = hf_model(config, attn=attn)
+    hf_layer, hf_config = hf.encoder.layer[0], hf.config
     layer = BertLayer(BertConfig.from_dict(config, attn_implementation=attn)).eval()
     state = hf_to_port({f"encoder.layer.0.{k}": v for k, v in hf_layer.state_dict().items()}).state_dict
     layer.load_state_dict({k.removeprefix("bert_layers.0."): v for k, v in state.items()})

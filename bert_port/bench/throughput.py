@@ -309,9 +309,8 @@ def compiled_layers(args, ours, batches, report):
 
 def section_fixed(args, device: torch.device, bf16: bool, report) -> dict[str, Any]:
     from bert_port import BertConfig, BertModel
-    from bert_port.extras import require
+    from bert_port.reference import random_hf_model
 
-    transformers = require("transformers")
     config = json.loads((CONFIGS / "bert-base-uncased.json").read_text())
     if args.quick:
         config["num_hidden_layers"] = 2
@@ -320,10 +319,7 @@ def section_fixed(args, device: torch.device, bf16: bool, report) -> dict[str, A
         f"fixed length: bert-base-uncased shape ({config['num_hidden_layers']} layers), random weights, "
         f"no padding, {args.reps} interleaved repetitions; tokens/s"
     )
-    hf_config = transformers.BertConfig(**config)
-    hf_config._attn_implementation = "sdpa"
-    torch.manual_seed(args.seed)
-    ref = transformers.BertModel(hf_config).to(device).eval()
+    ref = random_hf_model(config, "BertModel", "sdpa", seed=args.seed).to(device)
     ours = BertModel(BertConfig.from_dict(config))
     ours.load_hf_state_dict(ref.state_dict())
     ours = ours.to(device).eval()
