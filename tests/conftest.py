@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_port.assets import minilm_dir
+from bert_port.assets import config_dir, minilm_dir
 from bert_port.tolerance import TOLERANCES
 
-CONFIGS = Path(__file__).resolve().parent.parent / "bert_port" / "configs"
+CONFIGS = config_dir()  # the real HF configs (top-level configs/)
 
 # Every comparison with transformers uses the project's one tolerance policy
 # (bert_port/tolerance.py), as keyword arguments of torch.testing.assert_close.
