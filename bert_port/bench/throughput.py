@@ -123,6 +123,25 @@ def time_rows(
     timed["matmul"], probe_flops = roofline_probe(device, matmul_dtype, shape, reference, batches[0])
     times = interleave(timed, batches, args.reps, device, title, seed=args.seed)
     matmul = [probe_flops * len(batches) / t / 1e9 for t in times.pop("matmul")]
+    figures = _figures(times, rows, tokens, flops, matmul, diffs)
+    report.line()
+    report.line(
+        f"**{title}** (matmul {shape[0]}x{shape[1]}x{shape[2]} in {str(matmul_dtype)[6:]} during the run: "
+        f"{statistics.median(matmul):.0f} GFLOP/s)"
+    )
+    _table(figures, matmul_dtype, report)
+    return {
+        "real_tokens_per_pass": tokens,
+        "padded_tokens_per_pass": sum(b["attention_mask"].numel() for b in batches),
+        "model_gflop_per_pass": flops / 1e9,
+        "matmul_gflops_during_run": statistics.median(matmul),
+        "rows": figures,
+    }
+
+
+def _figures(times, rows, tokens: int, flops: float, matmul: list[float], diffs) -> dict[str, Any]:
+    """Per row: its times, tokens/s, ratios to its baseline and to transformers fp32, the
+    share of the matmul roofline it reached, and its difference from transformers fp32."""
     base = times.get(REFERENCE)
     figures = {}
     for name, ts in times.items():
@@ -138,11 +157,10 @@ def time_rows(
             "max_abs_diff_vs_transformers_fp32": diffs[name][0],
             "tolerance_use": diffs[name][1],
         }
-    report.line()
-    report.line(
-        f"**{title}** (matmul {shape[0]}x{shape[1]}x{shape[2]} in {str(matmul_dtype)[6:]} during the run: "
-        f"{statistics.median(matmul):.0f} GFLOP/s)"
-    )
+    return figures
+
+
+def _table(figures: dict[str, Any], matmul_dtype: torch.dtype, report) -> None:
     report.table(
         (
             "variant",
@@ -168,13 +186,6 @@ def time_rows(
             for name, r in figures.items()
         ),
     )
-    return {
-        "real_tokens_per_pass": tokens,
-        "padded_tokens_per_pass": sum(b["attention_mask"].numel() for b in batches),
-        "model_gflop_per_pass": flops / 1e9,
-        "matmul_gflops_during_run": statistics.median(matmul),
-        "rows": figures,
-    }
 
 
 def port_vs(figures: dict[str, Any], port: str, others: list[str]) -> list[str]:
