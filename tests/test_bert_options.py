@@ -44,7 +44,7 @@ HALF = [torch.bfloat16, torch.float16]
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """These tensors are tiny: with one intra-op thread no op waits at an OpenMP barrier for
-    a core that other work on a shared machine holds (that made each op ~20 ms)."""
+    a core that other work on a shared machine holds (that made each op many times slower)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

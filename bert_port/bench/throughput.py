@@ -205,7 +205,8 @@ def section_roofline(device: torch.device, quick: bool, bf16: bool, report) -> d
     report.section("matmul speed (best of 3, square n x n x n)")
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     result = {"fp32": matmul_gflops(torch.float32, device, n)}
-    # Emulated bf16 is ~25x slower than fp32: a smaller matrix keeps it short.
+    # Emulated bf16 (no native bf16 on the CPU) is many times slower than fp32: a smaller
+    # matrix keeps it short.
     result["bf16"] = matmul_gflops(torch.bfloat16, device, n if bf16 else min(n, 512))
     report.table(("dtype", "GFLOP/s"), ((k, f"{v:.1f}") for k, v in result.items()))
     return result
