@@ -32,8 +32,8 @@ test-fast: setup
 # names them: default (ATen's generic kernels), avx2 (ATen's AVX2 kernels) and onednn
 # (oneDNN and MKL capped at AVX2). CI runs the generic ones.
 KERNELS      ?= default avx2 onednn
-PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert.py \
-                tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
+PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert_numerics.py \
+                tests/test_bert.py tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
                 tests/test_classifier.py tests/test_heads.py tests/test_sentence.py
 ENV_default  := ATEN_CPU_CAPABILITY=default
 ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
