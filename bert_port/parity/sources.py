@@ -20,9 +20,22 @@ import torch
 from ..checkpoint import CheckpointError, CheckpointFiles
 from ..config import SHAPE_FIELDS, BertConfig
 
-# Config fields that do not change what the tensors hold or how they are read: never listed as
-# a likely cause of a difference between two checkpoints.
-BOOKKEEPING_FIELDS = ("id2label", "label2id", "problem_type", "initializer_range")
+# config.json fields that do not change what `BertModel` computes in eval mode (labels, init,
+# dropout, provenance): never listed as a likely cause of a difference between two checkpoints.
+BOOKKEEPING_FIELDS = (
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "initializer_range",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "classifier_dropout",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+)
 
 
 @dataclass
@@ -52,9 +65,9 @@ def shape_differences(ours: BertConfig, theirs: BertConfig) -> list[str]:
 
 def config_differences(ours: BertConfig, theirs: BertConfig) -> list[str]:
     """`field a vs b` for every other config field (HF's, or one only config.json has) on which
-    two configs differ, bookkeeping left out: the likely causes when their outputs differ."""
+    two configs differ, BOOKKEEPING_FIELDS left out: the likely causes when their outputs differ."""
     a, b = ours.to_dict(), theirs.to_dict()
-    skip = {*SHAPE_FIELDS, *BOOKKEEPING_FIELDS, "architectures", "dtype", "torch_dtype", "transformers_version"}
+    skip = {*SHAPE_FIELDS, *BOOKKEEPING_FIELDS}
     skip |= {k for k in {*a, *b} if k.startswith("_")}  # _name_or_path and other local notes
     return [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted({*a, *b} - skip) if a.get(k) != b.get(k)]
 
