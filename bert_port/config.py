@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +70,44 @@ SHAPE_LIMITS: dict[str, int] = {
 }
 SHAPE_FIELDS = tuple(SHAPE_LIMITS)
 
-# Runtime options and their defaults. As transformers keeps `_attn_implementation`, they live
-# in private attributes of the config behind properties: never dataclass fields, so never in
-# `to_dict()` or config.json. `from_dict`, `from_json_file` and `from_pretrained` take them as
-# keywords (`attn_implementation="eager"`), as transformers does.
-RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True}
-
 
 class ConfigError(ValueError):
     """A BERT configuration that cannot describe a model this port can build."""
+
+
+# Runtime options and their defaults. As transformers keeps `_attn_implementation`, they live
+# in private attributes of the config, behind attributes of the public name (`_RuntimeOption`):
+# never dataclass fields, so never in `to_dict()` or config.json. The constructor, `from_dict`,
+# `from_json_file` and `from_pretrained` take them as keywords (`attn_implementation="eager"`),
+# as transformers does.
+RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True}
+
+
+def _check_runtime_option(name: str, value: Any) -> None:
+    if name == "attn_implementation" and (not isinstance(value, str) or value not in ATTN_IMPLEMENTATIONS):
+        raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
+    if name == "unpad_inputs" and not isinstance(value, bool):
+        raise ConfigError(f"unpad_inputs must be true or false, got {value!r}")
+
+
+class _RuntimeOption:
+    """A runtime option on `BertConfig`: read and assigned as an attribute, validated on
+    assignment, stored in a private attribute. Declared as a dataclass `InitVar` whose default
+    is this descriptor, so that it is a constructor keyword (`BertConfig(...,
+    attn_implementation="eager")`, as in transformers) but never a field: `to_dict()`, `==`
+    and `repr` do not see it."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.private = name, f"_{name}"
+
+    def __get__(self, config: BertConfig | None, owner: type | None = None) -> Any:
+        if config is None:  # the class: the dataclass reads the default from here
+            return RUNTIME_OPTIONS[self.name]
+        return config.__dict__.get(self.private, RUNTIME_OPTIONS[self.name])
+
+    def __set__(self, config: BertConfig, value: Any) -> None:
+        _check_runtime_option(self.name, value)
+        config.__dict__[self.private] = value
 
 
 @dataclass
@@ -107,11 +136,17 @@ class BertConfig:
     # Every config.json field this dataclass does not model, kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    # The runtime options' values (see RUNTIME_OPTIONS); class attributes, not fields.
-    _attn_implementation = RUNTIME_OPTIONS["attn_implementation"]
-    _unpad_inputs = RUNTIME_OPTIONS["unpad_inputs"]
+    # Runtime options (see RUNTIME_OPTIONS): constructor keywords and attributes, never fields.
+    # Attention: "eager" (transformers' eager maths, and the only one returning probabilities),
+    # "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on the packed real
+    # tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
+    attn_implementation: InitVar[str] = _RuntimeOption("attn_implementation")
+    # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
+    # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
+    unpad_inputs: InitVar[bool] = _RuntimeOption("unpad_inputs")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, attn_implementation: str, unpad_inputs: bool) -> None:
+        self.attn_implementation, self.unpad_inputs = attn_implementation, unpad_inputs  # validated on the way
         for name in ("id2label", "label2id"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
@@ -197,35 +232,6 @@ class BertConfig:
             )
         return problems
 
-    # -- runtime options --------------------------------------------------------------
-
-    @property
-    def attn_implementation(self) -> str:
-        """Attention: "eager" (transformers' eager maths, and the only one returning
-        probabilities), "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on
-        the packed real tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA
-        elsewhere). A runtime option: never in `to_dict()` or config.json."""
-        return self._attn_implementation
-
-    @attn_implementation.setter
-    def attn_implementation(self, value: str) -> None:
-        if not isinstance(value, str) or value not in ATTN_IMPLEMENTATIONS:
-            raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
-        self._attn_implementation = value
-
-    @property
-    def unpad_inputs(self) -> bool:
-        """With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding
-        mask (see packing.py and `BertModel.packing_for`): within the fp32 parity bar, not
-        bitwise. A runtime option: never in `to_dict()` or config.json."""
-        return self._unpad_inputs
-
-    @unpad_inputs.setter
-    def unpad_inputs(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"unpad_inputs must be true or false, got {value!r}")
-        self._unpad_inputs = value
-
     # -- derived ----------------------------------------------------------------------
 
     @property
@@ -271,13 +277,11 @@ class BertConfig:
                 kwargs.pop("label2id", None)
             # num_labels stays in extra only so that to_dict writes it back (as len(id2label)).
             extra = {k: v for k, v in data.items() if k not in known}
-            config = cls(**kwargs, extra=extra)
+            config = cls(**kwargs, **runtime, extra=extra)
         except ConfigError:
             raise
         except (TypeError, ValueError, AttributeError) as exc:  # e.g. a field of the wrong JSON type
             raise ConfigError(f"invalid BERT config: {type(exc).__name__}: {exc}") from exc
-        for name, value in runtime.items():
-            setattr(config, name, value)
         config._keys_read = set(data) - set(overrides)
         return config
 

@@ -238,3 +238,5 @@ def test_runtime_options_are_not_checkpoint_data(tiny_config, tmp_path):
     assert not {"attn_implementation", "unpad_inputs"} & set(json.loads((tmp_path / "config.json").read_text()))
     read = BertConfig.from_json_file(tmp_path / "config.json", attn_implementation="eager")
     assert read.attn_implementation == "eager" and read.unpad_inputs is True
+    built = BertConfig(**tiny_config, attn_implementation="eager")  # transformers' constructor keyword
+    assert built.attn_implementation == "eager" and "attn_implementation" not in built.to_dict()
