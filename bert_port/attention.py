@@ -40,19 +40,18 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     The CPU has no varlen kernel, so each sequence gets its own attention on views of `qkv`
     (no copies in, one concatenation out). Against the padded layout this skips the
     (T^2 - L^2) masked scores of every sequence and the pad and unpad copies of q, k, v and
-    the context in every layer. Which kernel, measured on MR batches (about half padding)
-    with MiniLM on a 2-core Xeon:
+    the context in every layer. Which kernel, chosen by measuring each on MR batches (about
+    half padding) with MiniLM on CPU (the timings are in the README's "Speed" section):
 
     - fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
-      inference and in training. The CPU flash kernel is slower on sequences this short (per call on 12
-      heads of 32: 73 against 49 us at L=29, 189 against 102 us at L=63), and fp32 scores
-      lose nothing; its backward is two more `bmm` (a fine-tuning step: 1.13x the padded
-      call below).
+      inference and in training. The CPU flash kernel is slower on sequences this short
+      (L of a few tens), and fp32 scores lose nothing; its backward is two more `bmm`, so a
+      fine-tuning step is faster than with the padded call below.
     - bf16/fp16 inference: the flash kernel per sequence (`_flash_attention`), faster there
-      (94 against 164 us at L=29) and with scores and softmax kept in fp32.
+      and with scores and softmax kept in fp32.
     - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
       per sequence costs more than the padding saves (the backward of one small flash call
-      per sequence made a fine-tuning step 0.53x transformers' speed; on CUDA, a kernel
+      per sequence made a fine-tuning step slower than transformers'; on CUDA, a kernel
       launch per sequence).
     """
     half = qkv.dtype in (torch.float16, torch.bfloat16)

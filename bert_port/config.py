@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,21 +53,61 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# The fields that fix the shapes of the weights (and, with vocab_size, the tokenizer): each must
-# be a positive integer, and two configs that agree on them hold interchangeable weights.
-SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-    "type_vocab_size",
-)
+# The fields that fix the shapes of the weights (and, with vocab_size, the tokenizer), each with
+# the largest value a config may give: two configs that agree on them hold interchangeable
+# weights. The bounds are far above any real BERT (bert-large: 24 layers, 1024 wide, 30522
+# words) and keep a corrupt or hostile config.json (num_hidden_layers 10**30) from building
+# anything huge: it fails here, before any tensor, list or set of that size exists. The layer
+# bound is high enough for the loader's own "the checkpoint has only N layers" error.
+SHAPE_LIMITS: dict[str, int] = {
+    "vocab_size": 2**24,
+    "hidden_size": 2**16,
+    "num_hidden_layers": 2**20,
+    "num_attention_heads": 2**16,
+    "intermediate_size": 2**18,
+    "max_position_embeddings": 2**20,
+    "type_vocab_size": 2**16,
+}
+SHAPE_FIELDS = tuple(SHAPE_LIMITS)
 
 
 class ConfigError(ValueError):
     """A BERT configuration that cannot describe a model this port can build."""
+
+
+# Runtime options and their defaults. As transformers keeps `_attn_implementation`, they live
+# in private attributes of the config, behind attributes of the public name (`_RuntimeOption`):
+# never dataclass fields, so never in `to_dict()` or config.json. The constructor, `from_dict`,
+# `from_json_file` and `from_pretrained` take them as keywords (`attn_implementation="eager"`),
+# as transformers does.
+RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True}
+
+
+def _check_runtime_option(name: str, value: Any) -> None:
+    if name == "attn_implementation" and (not isinstance(value, str) or value not in ATTN_IMPLEMENTATIONS):
+        raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
+    if name == "unpad_inputs" and not isinstance(value, bool):
+        raise ConfigError(f"unpad_inputs must be true or false, got {value!r}")
+
+
+class _RuntimeOption:
+    """A runtime option on `BertConfig`: read and assigned as an attribute, validated on
+    assignment, stored in a private attribute. Declared as a dataclass `InitVar` whose default
+    is this descriptor, so that it is a constructor keyword (`BertConfig(...,
+    attn_implementation="eager")`, as in transformers) but never a field: `to_dict()`, `==`
+    and `repr` do not see it."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.private = name, f"_{name}"
+
+    def __get__(self, config: BertConfig | None, owner: type | None = None) -> Any:
+        if config is None:  # the class: the dataclass reads the default from here
+            return RUNTIME_OPTIONS[self.name]
+        return config.__dict__.get(self.private, RUNTIME_OPTIONS[self.name])
+
+    def __set__(self, config: BertConfig, value: Any) -> None:
+        _check_runtime_option(self.name, value)
+        config.__dict__[self.private] = value
 
 
 @dataclass
@@ -93,18 +133,20 @@ class BertConfig:
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
     problem_type: str | None = None  # "single_label_classification" | "regression" | ...
-    # Runtime choices, not part of the checkpoint: never written to config.json.
-    # Attention: "eager" (transformers' eager maths, and the only one returning probabilities),
-    # "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on the packed real
-    # tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
-    attn_implementation: str = "sdpa"
-    # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
-    # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
-    unpad_inputs: bool = True
     # Every config.json field this dataclass does not model, kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def __post_init__(self) -> None:
+    # Runtime options (see RUNTIME_OPTIONS): constructor keywords and attributes, never fields.
+    # Attention: "eager" (transformers' eager maths, and the only one returning probabilities),
+    # "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on the packed real
+    # tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
+    attn_implementation: InitVar[str] = _RuntimeOption("attn_implementation")
+    # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
+    # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
+    unpad_inputs: InitVar[bool] = _RuntimeOption("unpad_inputs")
+
+    def __post_init__(self, attn_implementation: str, unpad_inputs: bool) -> None:
+        self.attn_implementation, self.unpad_inputs = attn_implementation, unpad_inputs  # validated on the way
         for name in ("id2label", "label2id"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
@@ -119,18 +161,35 @@ class BertConfig:
 
     def validate(self) -> None:
         """Raise `ConfigError` naming every invalid field, with what to do about it."""
+        problems = self._shape_problems() + self._type_problems() + self._support_problems()
+        if problems:
+            raise ConfigError("Invalid BERT config:\n  - " + "\n  - ".join(problems))
+
+    def _shape_problems(self) -> list[str]:
         problems = []
-        for name in SHAPE_FIELDS:
+        for name, limit in SHAPE_LIMITS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+            elif value > limit:
+                problems.append(
+                    f"{name} is {value}, above the {limit} this port accepts: no real BERT is that large, so "
+                    "config.json is damaged or belongs to another model; restore it from the original"
+                )
         if not problems and self.hidden_size % self.num_attention_heads != 0:
             problems.append(
                 f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        pad = self.pad_token_id
+        if isinstance(pad, int) and isinstance(self.vocab_size, int) and not (0 <= pad < self.vocab_size):
+            problems.append(f"pad_token_id {pad} is outside the vocabulary [0, {self.vocab_size})")
+        return problems
+
+    def _type_problems(self) -> list[str]:
         # JSON has true/false and numbers: a string "false" or a boolean where a number goes is
         # a broken config, not something to coerce ("false" is truthy, True == 1).
+        problems = []
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and 0.0 <= value < 1.0):
@@ -139,18 +198,26 @@ class BertConfig:
             problems.append(f"layer_norm_eps must be a positive finite number, got {self.layer_norm_eps!r}")
         if not (_is_number(self.initializer_range) and self.initializer_range >= 0):
             problems.append(f"initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
-        for name in ("is_decoder", "add_cross_attention", "unpad_inputs"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("hidden_act", "position_embedding_type", "attn_implementation"):
-            if not isinstance(getattr(self, name), str):
-                problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
+        problems += [
+            f"{name} must be true or false, got {getattr(self, name)!r}"
+            for name in ("is_decoder", "add_cross_attention")
+            if not isinstance(getattr(self, name), bool)
+        ]
+        problems += [
+            f"{name} must be a string, got {getattr(self, name)!r}"
+            for name in ("hidden_act", "position_embedding_type")
+            if not isinstance(getattr(self, name), str)
+        ]
         if self.problem_type is not None and not isinstance(self.problem_type, str):
             problems.append(f"problem_type must be a string or null, got {self.problem_type!r}")
         if self.pad_token_id is not None and (
             isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int)
         ):
             problems.append(f"pad_token_id must be an integer or null, got {self.pad_token_id!r}")
+        return problems
+
+    def _support_problems(self) -> list[str]:
+        problems = []
         if isinstance(self.hidden_act, str) and self.hidden_act not in SUPPORTED_ACTIVATIONS:
             problems.append(f"hidden_act {self.hidden_act!r} is unknown; use one of {', '.join(SUPPORTED_ACTIVATIONS)}")
         if isinstance(self.position_embedding_type, str) and self.position_embedding_type != "absolute":
@@ -163,15 +230,7 @@ class BertConfig:
                 "add_cross_attention=True is not supported: this port implements the BERT encoder and "
                 "causal decoder without cross-attention or KV cache"
             )
-        if isinstance(self.attn_implementation, str) and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            problems.append(
-                f"attn_implementation {self.attn_implementation!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}"
-            )
-        pad = self.pad_token_id
-        if isinstance(pad, int) and isinstance(self.vocab_size, int) and not (0 <= pad < self.vocab_size):
-            problems.append(f"pad_token_id {pad} is outside the vocabulary [0, {self.vocab_size})")
-        if problems:
-            raise ConfigError("Invalid BERT config:\n  - " + "\n  - ".join(problems))
+        return problems
 
     # -- derived ----------------------------------------------------------------------
 
@@ -187,15 +246,18 @@ class BertConfig:
 
     @classmethod
     def field_names(cls) -> set[str]:
-        """The names `from_dict` overrides may use: every field, and `num_labels`."""
-        return {f.name for f in dataclasses.fields(cls)} - {"extra"} | {"num_labels"}
+        """The names `from_dict` overrides may use: every field, `num_labels` and the runtime options."""
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"} | {"num_labels", *RUNTIME_OPTIONS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> BertConfig:
-        """Build from a `config.json` dict; unknown keys go to `extra`, `overrides` win."""
+        """Build from a `config.json` dict; unknown keys go to `extra`, `overrides` win. The
+        runtime options (`attn_implementation`, `unpad_inputs`) are set on the config, never
+        kept as data."""
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
         data = {**data, **overrides}
+        runtime = {name: data.pop(name) for name in RUNTIME_OPTIONS if name in data}
         missing = [name for name in REQUIRED_FIELDS if name not in data]
         if missing:
             raise ConfigError(
@@ -215,7 +277,7 @@ class BertConfig:
                 kwargs.pop("label2id", None)
             # num_labels stays in extra only so that to_dict writes it back (as len(id2label)).
             extra = {k: v for k, v in data.items() if k not in known}
-            config = cls(**kwargs, extra=extra)
+            config = cls(**kwargs, **runtime, extra=extra)
         except ConfigError:
             raise
         except (TypeError, ValueError, AttributeError) as exc:  # e.g. a field of the wrong JSON type
@@ -231,11 +293,8 @@ class BertConfig:
             if f.name == "extra":
                 continue
             value = getattr(self, f.name)
-            # attn_implementation is a runtime choice, and these three are None unless the model is
-            # a classifier: written only when the config.json that was read had them.
-            runtime = ("attn_implementation", "unpad_inputs")
-            unread = f.name in (*runtime, "id2label", "label2id", "problem_type") and f.name not in read
-            if unread and (f.name in runtime or value is None):
+            # None unless the model is a classifier: written only when the config.json read had them.
+            if value is None and f.name in ("id2label", "label2id", "problem_type") and f.name not in read:
                 continue
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}

@@ -19,27 +19,14 @@ def check_inputs(
 ) -> None:
     """Raise `ValueError` for input `BertModel.forward` cannot run correctly.
 
-    Shapes and dtypes are always checked. The id ranges need the values on the host (a
-    device sync), which `torch.export` and `torch.compile` cannot trace: while they trace,
-    the range checks are skipped, so an exported program trusts its caller's ids.
+    Shapes and dtypes are always checked. The id ranges and the finiteness of `inputs_embeds`
+    need the values on the host (a device sync), which `torch.export` and `torch.compile`
+    cannot trace: while they trace, those checks are skipped, so an exported program trusts its
+    caller's ids and embeddings.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
-    if input_ids is not None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        if input_ids.is_floating_point():
-            raise ValueError("input_ids must be integer token ids, got a floating tensor")
-        shape = tuple(input_ids.shape)
-    else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be (batch, seq_len, {config.hidden_size}), got {tuple(inputs_embeds.shape)}"
-            )
-        shape = tuple(inputs_embeds.shape[:2])
-    B, T = shape
-    if B == 0 or T == 0:
-        raise ValueError(f"empty input of shape {shape}: need at least one sequence of at least one token")
+    B, T = _input_shape(config, input_ids, inputs_embeds)
     if input_ids is not None:
         _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
     if position_ids is None and T > config.max_position_embeddings:
@@ -52,22 +39,62 @@ def check_inputs(
             raise ValueError(f"position_ids must be (batch or 1, {T}), got {tuple(position_ids.shape)}")
         _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
     if token_type_ids is not None:
-        if tuple(token_type_ids.shape) != shape:
-            raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {shape}")
+        if tuple(token_type_ids.shape) != (B, T):
+            raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {(B, T)}")
         _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
     if attention_mask is not None:
-        ok = {2: (B, T), 3: (B, T, T)}.get(attention_mask.dim())
-        if attention_mask.dim() == 4:
-            ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
-            if not ok_4d:
-                raise ValueError(
-                    f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got {tuple(attention_mask.shape)}"
-                )
-        elif tuple(attention_mask.shape) != ok:
+        _check_mask(attention_mask, B, T)
+
+
+def _input_shape(config: BertConfig, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
+    """(B, T) of the one input given; `inputs_embeds` (B, T, H) must also be finite, as the
+    weights must be: a NaN there would reach every output of its row without a word."""
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point():
+            raise ValueError("input_ids must be integer token ids, got a floating tensor")
+        shape = tuple(input_ids.shape)
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
             raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
-                f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
+                f"inputs_embeds must be (batch, seq_len, {config.hidden_size}), got {tuple(inputs_embeds.shape)}"
             )
+        shape = tuple(inputs_embeds.shape[:2])
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"empty input of shape {shape}: need at least one sequence of at least one token")
+    if inputs_embeds is not None:
+        _check_finite(inputs_embeds)
+    return shape
+
+
+def _check_finite(inputs_embeds: Tensor) -> None:
+    if not inputs_embeds.is_floating_point():
+        raise ValueError(f"inputs_embeds must be a floating tensor, got {inputs_embeds.dtype}")
+    if torch.compiler.is_compiling():
+        return  # a host-side branch on the values cannot be traced (see check_inputs)
+    # One reduction and one device sync, as the weights' check does per tensor.
+    if not bool(torch.isfinite(inputs_embeds).all()):
+        bad = (~torch.isfinite(inputs_embeds)).nonzero()[0].tolist()
+        raise ValueError(
+            f"inputs_embeds holds NaN or Inf (first at batch {bad[0]}, token {bad[1]}, feature {bad[2]}); "
+            "the model would return NaN for that row. Find where the embeddings were computed and fix them"
+        )
+
+
+def _check_mask(attention_mask: Tensor, B: int, T: int) -> None:
+    ok = {2: (B, T), 3: (B, T, T)}.get(attention_mask.dim())
+    if attention_mask.dim() == 4:
+        ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
+        if not ok_4d:
+            raise ValueError(
+                f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got {tuple(attention_mask.shape)}"
+            )
+    elif tuple(attention_mask.shape) != ok:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
+            f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
+        )
 
 
 def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_port.assets import minilm_dir
+from bert_port.assets import config_dir, minilm_dir
 from bert_port.tolerance import TOLERANCES
 
-CONFIGS = Path(__file__).resolve().parent.parent / "bert_port" / "configs"
+CONFIGS = config_dir()  # the real HF configs (top-level configs/)
 
 # Every comparison with transformers uses the project's one tolerance policy
 # (bert_port/tolerance.py), as keyword arguments of torch.testing.assert_close.
@@ -83,13 +83,11 @@ def hf_reference(minilm_path):
 
 
 def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **kwargs):
-    """A randomly initialised transformers model for `config` (a config.json dict)."""
-    import transformers
+    """A randomly initialised transformers model for `config` (a config.json dict), seed 0,
+    built by the package's one twin builder (`bert_port.reference`)."""
+    from bert_port.reference import random_hf_model
 
-    hf_config = transformers.BertConfig(**config)
-    hf_config._attn_implementation = attn
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(hf_config, **kwargs).eval()
+    return random_hf_model(config, cls_name, attn, seed=0, **kwargs)
 
 
 def port_from_hf(hf, config: dict, **overrides):
@@ -201,3 +199,56 @@ def metrics_of(out: Path) -> dict:
 def load_last(out: Path) -> dict:
     """A run's resumable training state, `last-checkpoint.pt`."""
     return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
+
+
+# -- the option matrix's pair and checks (test_bert_options.py, test_bert_numerics.py) ---
+
+ATTNS = ["eager", "sdpa"]
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """These tensors are tiny: with one intra-op thread no op waits at an OpenMP barrier for
+    a core that other work on a shared machine holds (that made each op many times slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_pair(config: dict, attn: str = "eager", add_pooling_layer: bool = True):
+    """transformers' BertModel and ours with the same (random) weights, loaded through the
+    production loader. The matrix checks the padded path, which mirrors transformers
+    everywhere including pad positions; `test_unpadded_default_matches_transformers` and
+    tests/test_packing.py check the unpadded default on real tokens."""
+    from bert_port import BertConfig, BertModel
+
+    hf = hf_model(config, attn=attn, add_pooling_layer=add_pooling_layer)
+    config = BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False)
+    ours = BertModel(config, add_pooling_layer=add_pooling_layer)
+    ours.load_hf_state_dict(hf.state_dict())
+    return hf, ours.eval()
+
+
+def hf_call(hf, **kwargs):
+    """Call a transformers model without its KV cache: a decoder builds one by default, whose
+    contiguous K/V copies change the matmuls' memory layout by about an ulp
+    (test_bert_options.py's docstring)."""
+    return hf(**{"use_cache": False, **kwargs})
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, attn: str) -> None:
+    """Bitwise for fp32 eager (the issue's exactness bar), the fp32 table for SDPA."""
+    if attn == "eager":
+        assert torch.equal(actual, expected), f"eager not bitwise: max abs diff {max_diff(actual, expected):.3e}"
+    else:
+        torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(keep, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)

@@ -177,3 +177,26 @@ def test_cpu_peers_run_in_a_process_of_their_own(minilm_path, tmp_path):
         with pytest.raises(RuntimeError, match=f"exited with code {-signal.SIGKILL}"):
             row.forward(batch)
     assert worker.process.stdout.closed
+
+
+def test_configs_are_found_in_the_checkout():
+    """The real configs live in the top-level configs/ (a wheel ships them as bert_port/configs/,
+    which `make wheel-check` checks); the bench, the tests and the recipes read them from there."""
+    from bert_port.assets import config_dir, config_path
+    from bert_port.bench.harness import CONFIGS
+
+    repo = Path(__file__).resolve().parents[1]
+    assert config_dir() == CONFIGS == repo / "configs"
+    assert (
+        config_path("finetune_mr_minilm")
+        == config_path("finetune_mr_minilm.json")
+        == CONFIGS / "finetune_mr_minilm.json"
+    )
+    for name in (
+        "bert-base-uncased",
+        "bert-base-cased",
+        "bert-large-uncased",
+        "all-MiniLM-L6-v2",
+        "finetune_sms_minilm",
+    ):
+        assert config_path(name).is_file(), name

@@ -198,3 +198,45 @@ def test_loading_into_a_live_model_copies(tiny_config):
     assert model.word_embedding.weight is before
     assert model.word_embedding.weight.data_ptr() != hf.embeddings.word_embeddings.weight.data_ptr()
     torch.testing.assert_close(model.word_embedding.weight, hf.embeddings.word_embeddings.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layers", [10**30, 1e30, 2**21], ids=["huge-int", "float-1e30", "above-bound"])
+def test_huge_shape_fields_fail_fast(tiny_config, tmp_path, layers):
+    # A damaged config.json must be refused when read, before the loader counts (set(range(n)))
+    # or builds anything of that size.
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config, "num_hidden_layers": layers}))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        BertConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        BertConfig.from_dict({**tiny_config, "vocab_size": 10**30})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_inputs_embeds_are_refused(tiny_config, bad):
+    model = BertModel(BertConfig.from_dict(tiny_config)).eval()
+    embeds = torch.randn(2, 5, tiny_config["hidden_size"])
+    model(inputs_embeds=embeds)  # finite: runs
+    embeds[1, 3, 0] = bad
+    with pytest.raises(ValueError, match=r"inputs_embeds holds NaN or Inf \(first at batch 1, token 3, feature 0\)"):
+        model(inputs_embeds=embeds)
+
+
+def test_runtime_options_are_not_checkpoint_data(tiny_config, tmp_path):
+    # Set from keywords, read and assigned as attributes; never data: to_dict, the saved
+    # config.json and config equality know nothing of them.
+    config = BertConfig.from_dict(tiny_config, attn_implementation="eager", unpad_inputs=False)
+    assert (config.attn_implementation, config.unpad_inputs) == ("eager", False)
+    assert not {"attn_implementation", "unpad_inputs"} & set(config.to_dict())
+    assert config == BertConfig.from_dict(tiny_config)
+    config.attn_implementation, config.unpad_inputs = "sdpa", True
+    assert (config.attn_implementation, config.unpad_inputs) == ("sdpa", True)
+    with pytest.raises(ConfigError, match="attn_implementation 'flash' is unknown"):
+        config.attn_implementation = "flash"
+    with pytest.raises(ConfigError, match="unpad_inputs must be true or false"):
+        BertConfig.from_dict(tiny_config, unpad_inputs="no")
+    BertModel(BertConfig.from_dict(tiny_config, attn_implementation="eager")).save_pretrained(tmp_path)
+    assert not {"attn_implementation", "unpad_inputs"} & set(json.loads((tmp_path / "config.json").read_text()))
+    read = BertConfig.from_json_file(tmp_path / "config.json", attn_implementation="eager")
+    assert read.attn_implementation == "eager" and read.unpad_inputs is True
+    built = BertConfig(**tiny_config, attn_implementation="eager")  # transformers' constructor keyword
+    assert built.attn_implementation == "eager" and "attn_implementation" not in built.to_dict()

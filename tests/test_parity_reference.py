@@ -1,8 +1,8 @@
 """`bert-port-parity --reference-checkpoint`: transformers reads a known-good checkpoint while
 the port reads `--checkpoint`. A faithful copy (converted, or in the legacy layout) passes; a
 copy with one weight off by 1e-3 fails at the layer that holds it, though the default check,
-where both sides read the same file, passes it; checkpoints of different architectures are
-refused. Inputs are short and float32 only, to keep the file fast on two cores."""
+where both sides read the same file, passes it; a copy whose config gives another LayerNorm eps
+is compared and fails, naming the field; checkpoints of different shapes are refused. Inputs are short and float32 only, to keep the file fast on two cores."""
 
 from __future__ import annotations
 
@@ -120,6 +120,24 @@ def test_architecture_mismatch_exits_2(minilm_path, tmp_path, capsys):
     ]:
         assert difference in text, difference
     assert "type_vocab_size" not in text  # equal fields are not listed
+
+
+def test_other_config_fields_are_compared_and_named(minilm_path, tmp_path, capsys):
+    """A wrong eps is the conversion bug this check is for: the run goes ahead, fails at the
+    first site (the embeddings' LayerNorm), and lists the field as the likely cause."""
+    state = load_file(str(minilm_path / "model.safetensors"))
+    bad_eps = _copy(minilm_path, tmp_path / "eps", state)
+    config = json.loads((bad_eps / "config.json").read_text())
+    (bad_eps / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
+    code, text, report = _run(
+        ["--checkpoint", str(bad_eps), "--reference-checkpoint", str(minilm_path)], tmp_path, capsys
+    )
+    assert code == 1, text
+    assert report["rows"][0]["first_failing_site"] == "embeddings"
+    assert (
+        report["meta"]["config_differences"] == "layer_norm_eps 1e-06 vs 1e-12 (--checkpoint vs --reference-checkpoint)"
+    )
+    assert "likely causes: the two checkpoints' configs differ in layer_norm_eps 1e-06 vs 1e-12" in text
 
 
 def test_unreadable_reference_exits_2(minilm_path, tmp_path, capsys):

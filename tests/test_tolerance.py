@@ -16,7 +16,7 @@ from bert_port import BertModel, load_tokenizer, parity
 from bert_port.tolerance import TOLERANCES, Tolerance, tolerance_for
 
 # A planted bug must miss the float32 tolerance by at least this factor: the policy's
-# margin for bugs, as the reference spread's ~0.75 is its margin for honest rounding.
+# margin for bugs, as the reference spread staying below 1 is its margin for honest rounding.
 MARGIN = 10
 
 

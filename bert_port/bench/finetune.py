@@ -13,13 +13,29 @@ import torch
 from .harness import config_override, interleave, ratio
 
 
-def section_finetune(args, device: torch.device, report) -> dict[str, Any]:
-    from bert_port import BertForSequenceClassification, encode, load_tokenizer
-    from bert_port.assets import minilm_dir
+def _mr_batches(path, n: int, batch_size: int, seed: int, device: torch.device) -> list[dict]:
+    """`n` random batches of MR sentences with their 0/1 labels, on `device`."""
+    from bert_port import encode, load_tokenizer
     from bert_port.data import load_mr
-    from bert_port.extras import require
 
-    transformers = require("transformers")
+    mr = load_mr()
+    labels = [int(label == "positive") for label in mr.labels]
+    rng = random.Random(seed)
+    tok = load_tokenizer(path)
+    batches = []
+    for _ in range(n):
+        idx = rng.sample(range(len(mr.texts)), batch_size)
+        batch = {k: v.to(device) for k, v in encode(tok, [mr.texts[i] for i in idx]).items()}
+        batch["labels"] = torch.tensor([labels[i] for i in idx], device=device)
+        batches.append(batch)
+    return batches
+
+
+def section_finetune(args, device: torch.device, report) -> dict[str, Any]:
+    from bert_port import BertForSequenceClassification
+    from bert_port.assets import minilm_dir
+    from bert_port.reference import hf_twin
+
     path = minilm_dir()
     n = 1 if args.quick else min(args.batches, 4)
     reps = 1 if args.quick else max(2, args.reps // 2)
@@ -27,22 +43,9 @@ def section_finetune(args, device: torch.device, report) -> dict[str, Any]:
         f"fine-tuning step: MiniLM + classification head, AdamW, {n} MR batches of {args.batch_size}, "
         f"{reps} interleaved repetitions (forward + backward + optimizer step)"
     )
-    mr = load_mr()
-    labels = [int(label == "positive") for label in mr.labels]
-    rng = random.Random(args.seed)
-    tok = load_tokenizer(path)
-    batches = []
-    for _ in range(n):
-        idx = rng.sample(range(len(mr.texts)), args.batch_size)
-        batch = {k: v.to(device) for k, v in encode(tok, [mr.texts[i] for i in idx]).items()}
-        batch["labels"] = torch.tensor([labels[i] for i in idx], device=device)
-        batches.append(batch)
+    batches = _mr_batches(path, n, args.batch_size, args.seed, device)
     ours = BertForSequenceClassification.from_pretrained(path, num_labels=2, device=device)
-    ref = transformers.BertForSequenceClassification.from_pretrained(
-        str(path), num_labels=2, attn_implementation="sdpa"
-    ).to(device)
-    ref.classifier.load_state_dict(ours.classifier.state_dict())  # the same head on both sides
-    ours.eval(), ref.eval()
+    ref = hf_twin(ours, "sdpa")  # the same weights, the same head, on the same device
     with torch.no_grad():
         diff = max((ours(**b).logits - ref(**b).logits).abs().max().item() for b in batches)
     ours.train(), ref.train()

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data
+from ..assets import config_dir
+
+CONFIGS = config_dir()  # the real HF configs: configs/ in a checkout, package data in a wheel
 
 
 class Report:

@@ -128,12 +128,11 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
 
 
 def _write_bert_base(directory: Path) -> str:
-    from bert_port.extras import require
+    from bert_port.reference import random_hf_model
 
-    transformers = require("transformers")
-    config = transformers.BertConfig(**json.loads((CONFIGS / "bert-base-uncased.json").read_text()))
+    config = json.loads((CONFIGS / "bert-base-uncased.json").read_text())
     out = directory / "bert-base-uncased"
-    transformers.BertModel(config).save_pretrained(out)  # HF's own layout and safetensors
+    random_hf_model(config, "BertModel").save_pretrained(out)  # HF's own layout and safetensors
     return str(out)
 
 

@@ -13,9 +13,9 @@ and driven by `peers.PeerProcess` over stdin/stdout with pickled messages:
 Why a process of its own: in one process with torch, CTranslate2 binds torch's libgomp (torch
 loads it globally first), and its encoder thread starts a second OpenMP team in the same
 runtime. With more OpenMP threads than CPUs, libgomp stops spinning and parks every thread on
-a futex between parallel regions, for torch's team too. Measured on a 2-core Xeon, the port
-ran 1.17-1.40 s per pass after one CTranslate2 call against 0.86-1.19 s before (33k context
-switches against 0.5k), which no user running one library sees. So each peer runs in a
+a futex between parallel regions, for torch's team too: the port's passes after one
+CTranslate2 call were measured slower, with many times the context switches (the figures are
+in the README's "Speed" section), which no user running one library sees. So each peer runs in a
 process of its own, as its users run it. (Threads that spin for a moment after a call,
 libgomp's or ONNX Runtime's, still take the cores from the next row, whichever process it runs
 in; with the rows in a shuffled order, that falls on every row.)

@@ -123,6 +123,25 @@ def time_rows(
     timed["matmul"], probe_flops = roofline_probe(device, matmul_dtype, shape, reference, batches[0])
     times = interleave(timed, batches, args.reps, device, title, seed=args.seed)
     matmul = [probe_flops * len(batches) / t / 1e9 for t in times.pop("matmul")]
+    figures = _figures(times, rows, tokens, flops, matmul, diffs)
+    report.line()
+    report.line(
+        f"**{title}** (matmul {shape[0]}x{shape[1]}x{shape[2]} in {str(matmul_dtype)[6:]} during the run: "
+        f"{statistics.median(matmul):.0f} GFLOP/s)"
+    )
+    _table(figures, matmul_dtype, report)
+    return {
+        "real_tokens_per_pass": tokens,
+        "padded_tokens_per_pass": sum(b["attention_mask"].numel() for b in batches),
+        "model_gflop_per_pass": flops / 1e9,
+        "matmul_gflops_during_run": statistics.median(matmul),
+        "rows": figures,
+    }
+
+
+def _figures(times, rows, tokens: int, flops: float, matmul: list[float], diffs) -> dict[str, Any]:
+    """Per row: its times, tokens/s, ratios to its baseline and to transformers fp32, the
+    share of the matmul roofline it reached, and its difference from transformers fp32."""
     base = times.get(REFERENCE)
     figures = {}
     for name, ts in times.items():
@@ -138,11 +157,10 @@ def time_rows(
             "max_abs_diff_vs_transformers_fp32": diffs[name][0],
             "tolerance_use": diffs[name][1],
         }
-    report.line()
-    report.line(
-        f"**{title}** (matmul {shape[0]}x{shape[1]}x{shape[2]} in {str(matmul_dtype)[6:]} during the run: "
-        f"{statistics.median(matmul):.0f} GFLOP/s)"
-    )
+    return figures
+
+
+def _table(figures: dict[str, Any], matmul_dtype: torch.dtype, report) -> None:
     report.table(
         (
             "variant",
@@ -168,13 +186,6 @@ def time_rows(
             for name, r in figures.items()
         ),
     )
-    return {
-        "real_tokens_per_pass": tokens,
-        "padded_tokens_per_pass": sum(b["attention_mask"].numel() for b in batches),
-        "model_gflop_per_pass": flops / 1e9,
-        "matmul_gflops_during_run": statistics.median(matmul),
-        "rows": figures,
-    }
 
 
 def port_vs(figures: dict[str, Any], port: str, others: list[str]) -> list[str]:
@@ -194,7 +205,8 @@ def section_roofline(device: torch.device, quick: bool, bf16: bool, report) -> d
     report.section("matmul speed (best of 3, square n x n x n)")
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     result = {"fp32": matmul_gflops(torch.float32, device, n)}
-    # Emulated bf16 is ~25x slower than fp32: a smaller matrix keeps it short.
+    # Emulated bf16 (no native bf16 on the CPU) is many times slower than fp32: a smaller
+    # matrix keeps it short.
     result["bf16"] = matmul_gflops(torch.bfloat16, device, n if bf16 else min(n, 512))
     report.table(("dtype", "GFLOP/s"), ((k, f"{v:.1f}") for k, v in result.items()))
     return result
@@ -309,9 +321,8 @@ def compiled_layers(args, ours, batches, report):
 
 def section_fixed(args, device: torch.device, bf16: bool, report) -> dict[str, Any]:
     from bert_port import BertConfig, BertModel
-    from bert_port.extras import require
+    from bert_port.reference import random_hf_model
 
-    transformers = require("transformers")
     config = json.loads((CONFIGS / "bert-base-uncased.json").read_text())
     if args.quick:
         config["num_hidden_layers"] = 2
@@ -320,10 +331,7 @@ def section_fixed(args, device: torch.device, bf16: bool, report) -> dict[str, A
         f"fixed length: bert-base-uncased shape ({config['num_hidden_layers']} layers), random weights, "
         f"no padding, {args.reps} interleaved repetitions; tokens/s"
     )
-    hf_config = transformers.BertConfig(**config)
-    hf_config._attn_implementation = "sdpa"
-    torch.manual_seed(args.seed)
-    ref = transformers.BertModel(hf_config).to(device).eval()
+    ref = random_hf_model(config, "BertModel", "sdpa", seed=args.seed).to(device)
     ours = BertModel(BertConfig.from_dict(config))
     ours.load_hf_state_dict(ref.state_dict())
     ours = ours.to(device).eval()

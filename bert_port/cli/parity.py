@@ -6,45 +6,39 @@ pooler_output on real text and on edge cases, beside transformers' own eager-vs-
 spread. By default both sides read the same file, which checks the forward pass and the
 key mapping but cannot see wrong weights; `--reference-checkpoint` has transformers read a
 known-good checkpoint instead, to diff a converted, fine-tuned or suspect one against it.
+Checkpoints whose configs differ in other fields than the shapes are compared, and the
+report lists those fields as likely causes of a FAIL.
 Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage, a checkpoint
-that cannot be loaded (or two checkpoints of different architectures), or a missing extra
+that cannot be loaded (or two checkpoints of different shapes), or a missing extra
 (transformers: `pip install 'bert-port[parity]'`; matplotlib for --plot: `bert-port[plot]`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import sys
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from bert_port import parity
-from bert_port.checkpoint import CheckpointError, CheckpointFiles
+from bert_port.checkpoint import CheckpointError
+from bert_port.config import BertConfig, ConfigError
+from bert_port.parity.sources import (
+    Source,
+    config_differences,
+    load_port,
+    load_reference,
+    quiet_transformers,
+    shape_differences,
+)
 
 # Loader arguments this command has a flag for: a library error that suggests one of them
 # is printed naming the flag (see CheckpointError.for_command_line).
 FLAGS = {"check_finite": "--check-finite"}
-# Config fields that decide the tensors' shapes or the forward pass: two checkpoints compared
-# with --reference-checkpoint must agree on every one of them.
-ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "layer_norm_eps",
-    "position_embedding_type",
-    "is_decoder",
-)
 
 
 def _dtypes(text: str) -> list[torch.dtype]:
@@ -76,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bert-port-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _checkpoint_arguments(p)
+    _input_arguments(p)
+    _comparison_arguments(p)
+    return p
+
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint",
         default=None,
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what NaN/Inf in the weights the port reads do: fail with exit 2 (default), warn and "
         "compare, or compare silently",
     )
+
+
+def _input_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -121,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out the built-in edge cases (max-length row, all-pad row, one-token rows)",
     )
+
+
+def _comparison_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         choices=("cpu", "cuda", "all"),
@@ -154,160 +161,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure of the report to this JSON file")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of per-layer error by device and dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+class Refused(Exception):
+    """A run that cannot go on: printed as `error: ...`, exit status 2."""
 
 
 def _message(exc: Exception) -> str:
     return exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else str(exc)
 
 
+# -- the command: parse, load, run, report ------------------------------------------------
+
+
 @dataclass
-class Source:
-    """A checkpoint as the command line names it (path or model id), resolved to files."""
+class Loaded:
+    """What a run compares: the two sources, the port model, and the inputs."""
 
-    name: str
-    files: CheckpointFiles
-    check_finite: str = "error"
-
-    def describe(self) -> str:
-        files, path = self.files, Path(self.name)
-        if path.is_dir():
-            return f"{self.name} ({files.weights_file.relative_to(files.directory)})"
-        return str(files.weights_file) if path.exists() else f"{self.name} ({files.weights_file})"
+    source: Source
+    reference_source: Source
+    ours: torch.nn.Module
+    note: str | None
+    batches: list
+    inputs: str  # where the examples came from, for the report
+    differences: list[str] = field(default_factory=list)  # config fields the two checkpoints differ in
 
 
-def architecture_differences(ours, theirs) -> list[str]:
-    """`field: a vs b` for each ARCHITECTURE_FIELDS entry on which two BertConfigs differ."""
-    return [
-        f"{name} {getattr(ours, name)!r} vs {getattr(theirs, name)!r}"
-        for name in ARCHITECTURE_FIELDS
-        if getattr(ours, name) != getattr(theirs, name)
-    ]
-
-
-@contextlib.contextmanager
-def _quiet(transformers):
-    """transformers' load report and weight-loading bar would bury the parity report."""
-    utils = transformers.utils.logging
-    verbosity, bar = utils.get_verbosity(), utils.is_progress_bar_enabled()
-    utils.set_verbosity_error()
-    utils.disable_progress_bar()
-    try:
-        yield
-    finally:
-        utils.set_verbosity(verbosity)
-        if bar:
-            utils.enable_progress_bar()
-
-
-def load_port(source: Source, attn: str):
-    """Our model in float32 on the CPU, and a note when it was loaded without its pooler."""
-    from bert_port import BertModel
-
-    files = source.files
-    kwargs = dict(
-        config_file=files.config_file, dtype=torch.float32, attn_implementation=attn, check_finite=source.check_finite
-    )
-    model = BertModel.from_pretrained(files.weights_file, **kwargs)
-    pooler = [k for k in model.loading_info["newly_initialized"] if k.startswith("pooler_dense.")]
-    if not pooler:
-        return model, None
-    # e.g. a checkpoint saved from BertForMaskedLM, which has no pooler: a random one is no comparison
-    model = BertModel.from_pretrained(files.weights_file, add_pooling_layer=False, **kwargs)
-    return model, f"the checkpoint has no {' or '.join(pooler)}, so pooler_output is not compared"
-
-
-def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
-    """A directory from which transformers reads exactly the weights file we read: the
-    checkpoint directory itself, or for another file name a temporary directory of links."""
-    from bert_port.checkpoint import PT_WEIGHTS, SAFE_WEIGHTS, WEIGHT_NAMES
-
-    preferred = next((files.directory / n for n in WEIGHT_NAMES if (files.directory / n).is_file()), None)
-    if (
-        preferred is not None
-        and preferred.resolve() == files.weights_file.resolve()
-        and files.config_file == (files.directory / "config.json")
-    ):
-        return files.directory
-    name = {".safetensors": SAFE_WEIGHTS, ".bin": PT_WEIGHTS, ".pt": PT_WEIGHTS, ".pth": PT_WEIGHTS}.get(
-        files.weights_file.suffix
-    )
-    if name is None:
-        return None
-    view = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-parity-")))
-    (view / "config.json").symlink_to(files.config_file.resolve())
-    (view / name).symlink_to(files.weights_file.resolve())
-    return view
-
-
-def load_reference(
-    transformers, ours, source: Source, attn: str, same_as_ours: bool = True
-) -> tuple[torch.nn.Module, str]:
-    """transformers.BertModel holding the weights of `source` (the checkpoint `ours` was
-    loaded from, or with `same_as_ours=False` a reference checkpoint), and how it got them.
-
-    Preferably transformers reads the checkpoint file itself, so that our key mapping is
-    checked too. When it cannot (a layout it does not know, such as DDP `module.` keys), it
-    is built from our config and given the weights as the port's loader reads them, strictly."""
-    files = source.files
-    kwargs = dict(dtype=torch.float32, attn_implementation=attn, add_pooling_layer=ours.add_pooling_layer)
-    why = "transformers cannot read this file layout"
-    with contextlib.ExitStack() as stack:
-        try:
-            view = _hf_view(files, stack)
-            if view is not None:
-                ref, info = transformers.BertModel.from_pretrained(
-                    str(view), local_files_only=True, output_loading_info=True, **kwargs
-                )
-                bad = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
-                if not bad:
-                    return ref.eval(), f"transformers.BertModel.from_pretrained read {files.weights_file} itself"
-                why = f"transformers' own loader leaves {len(bad)} tensor(s) unloaded ({', '.join(bad[:4])})"
-        except Exception as exc:  # noqa: BLE001  any failure of transformers' loader: fall back, and say so in the report
-            why = f"transformers cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    if same_as_ours:
-        donor, whose = ours, "the port's weights"
-    else:
-        donor, _ = load_port(source, attn)
-        whose = f"the weights of {files.weights_file} as the port's loader reads them"
-        if ours.add_pooling_layer and not donor.add_pooling_layer:
-            raise CheckpointError(
-                f"the reference checkpoint {files.weights_file} has no pooler (pooler.dense.*) and --checkpoint has "
-                "one. Swap the two: with the pooler-less one as --checkpoint, pooler_output is left out of the "
-                "comparison"
-            )
-    hf_config = transformers.BertConfig(**ours.config.to_dict())
-    hf_config._attn_implementation = attn
-    ref = transformers.BertModel(hf_config, add_pooling_layer=ours.add_pooling_layer)
-    ref.load_state_dict(donor.hf_state_dict(), strict=True)
-    return ref.eval(), (
-        f"transformers.BertModel(config) given {whose} via hf_state_dict() (strict), because {why}; "
-        "this checks the forward pass but not the key mapping"
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     for path in (args.json, args.plot):
         if path is not None and not Path(path).resolve().parent.is_dir():
             parser.error(f"cannot write {path}: directory {Path(path).resolve().parent} does not exist")
+    return args
 
+
+def _require_extras(args: argparse.Namespace):
+    """transformers (and matplotlib for a plot), before any work."""
     from bert_port.extras import MissingExtra, require
 
-    try:  # before any work: the reference, and matplotlib when a plot is asked for
+    try:
         transformers = require("transformers", "bert-port-parity (transformers is the reference)")
         if args.plot:
             require("matplotlib", "--plot")
     except MissingExtra as exc:
-        return _fail(str(exc))
+        raise Refused(str(exc)) from None
+    return transformers
 
-    from bert_port import BertConfig, ConfigError, load_tokenizer
+
+def load_sources(args: argparse.Namespace) -> tuple[Source, Source, torch.nn.Module, str | None, list[str]]:
+    """The checkpoint, the reference checkpoint (the same one unless given), the port model,
+    its note, and the config fields the two differ in. Shapes that differ are refused."""
     from bert_port.assets import minilm_dir
     from bert_port.checkpoint import locate_checkpoint
 
@@ -316,28 +220,33 @@ def main(argv: list[str] | None = None) -> int:
         source = Source(path, locate_checkpoint(path), args.check_finite)
         ours, note = load_port(source, args.attn)
     except (CheckpointError, ConfigError) as exc:
-        return _fail(f"cannot load checkpoint {path}:\n{_message(exc)}")
-    config = ours.config
-    reference_source = source
-    if args.reference_checkpoint:
-        try:
-            reference_source = Source(
-                args.reference_checkpoint, locate_checkpoint(args.reference_checkpoint), args.check_finite
-            )
-            differ = architecture_differences(config, BertConfig.from_json_file(reference_source.files.config_file))
-        except (CheckpointError, ConfigError) as exc:
-            return _fail(f"cannot load reference checkpoint {args.reference_checkpoint}:\n{_message(exc)}")
-        if differ:
-            return _fail(
-                f"--checkpoint {source.describe()} and --reference-checkpoint {reference_source.describe()} describe "
-                f"different architectures, so their outputs cannot be compared: {'; '.join(differ)} (from "
-                f"{source.files.config_file} and {reference_source.files.config_file}). Pass a reference checkpoint "
-                "of the same model"
-            )
+        raise Refused(f"cannot load checkpoint {path}:\n{_message(exc)}") from None
+    if not args.reference_checkpoint:
+        return source, source, ours, note, []
+    try:
+        reference = Source(args.reference_checkpoint, locate_checkpoint(args.reference_checkpoint), args.check_finite)
+        theirs = BertConfig.from_json_file(reference.files.config_file)
+    except (CheckpointError, ConfigError) as exc:
+        raise Refused(f"cannot load reference checkpoint {args.reference_checkpoint}:\n{_message(exc)}") from None
+    differ = shape_differences(ours.config, theirs)
+    if differ:
+        raise Refused(
+            f"--checkpoint {source.describe()} and --reference-checkpoint {reference.describe()} describe "
+            f"different architectures, so their outputs cannot be compared: {'; '.join(differ)} (from "
+            f"{source.files.config_file} and {reference.files.config_file}). Pass a reference checkpoint "
+            "of the same model"
+        )
+    return source, reference, ours, note, config_differences(ours.config, theirs)
 
+
+def load_inputs(args: argparse.Namespace, ours) -> tuple[list, str, int]:
+    """The batches, where their examples came from, and the example count."""
+    from bert_port import load_tokenizer
+
+    config = ours.config
     max_length = args.max_length or config.max_position_embeddings
     if not 4 <= max_length <= config.max_position_embeddings:
-        return _fail(
+        raise Refused(
             f"--max-length must be between 4 and the model's max_position_embeddings "
             f"({config.max_position_embeddings}), got {max_length}"
         )
@@ -345,11 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (FileNotFoundError, OSError, ValueError) as exc:
-        return _fail(f"no tokenizer for this checkpoint: {exc}. Pass --tokenizer DIR")
+        raise Refused(f"no tokenizer for this checkpoint: {exc}. Pass --tokenizer DIR") from None
     try:
         if args.texts_file:
-            examples = parity.read_texts_file(args.texts_file)
-            texts_from = f"{args.texts_file}"
+            examples, texts_from = parity.read_texts_file(args.texts_file), f"{args.texts_file}"
         else:
             examples = [(t, None) for t in parity.DEFAULT_TEXTS] + list(parity.DEFAULT_PAIRS)
             texts_from = "built-in real sentences"
@@ -357,93 +265,149 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer, examples, batch_size=args.batch_size, max_length=max_length, adversarial=not args.no_adversarial
         )
     except ValueError as exc:
-        return _fail(str(exc))
+        raise Refused(str(exc)) from None
+    _check_ids_fit(batches, config, tokenizer_dir)
+    return batches, texts_from, len(examples)
+
+
+def _check_ids_fit(batches: list, config: BertConfig, tokenizer_dir) -> None:
     for name, limit, what in (
         ("input_ids", config.vocab_size, "vocab_size"),
         ("token_type_ids", config.type_vocab_size, "type_vocab_size"),
     ):
         top = max(int(b.inputs[name].max()) for b in batches)
         if top >= limit:
-            return _fail(
+            raise Refused(
                 f"the tokenizer in {tokenizer_dir} produces {name} {top}, outside the model's "
                 f"{what}={limit}: pass --tokenizer with the checkpoint's own tokenizer"
             )
 
-    with _quiet(transformers):
+
+def load(args: argparse.Namespace) -> Loaded:
+    source, reference, ours, note, differences = load_sources(args)
+    batches, texts_from, count = load_inputs(args, ours)
+    pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
+    max_length = args.max_length or ours.config.max_position_embeddings
+    inputs = (
+        f"{count} examples from {texts_from} ({pairs} pairs), max length {max_length}"
+        + ("" if args.no_adversarial else ", plus the edge cases")
+        + f"; {len(batches)} batches, {sum(b.rows for b in batches)} rows, "
+        f"{sum(b.real_tokens for b in batches)} real and {sum(b.pad_tokens for b in batches)} pad tokens"
+    )
+    return Loaded(source, reference, ours, note, batches, inputs, differences)
+
+
+def load_references(transformers, args: argparse.Namespace, loaded: Loaded):
+    """transformers' model (the reference), how it got its weights, and its copy under the
+    other attention implementation (the spread)."""
+    with quiet_transformers(transformers):
         try:
             reference, how = load_reference(
-                transformers, ours, reference_source, args.attn, same_as_ours=reference_source is source
+                transformers,
+                loaded.ours,
+                loaded.reference_source,
+                args.attn,
+                same_as_ours=loaded.reference_source is loaded.source,
             )
         except (CheckpointError, ConfigError) as exc:
-            return _fail(f"cannot load reference checkpoint {reference_source.name}:\n{_message(exc)}")
-        other = "eager" if args.attn == "sdpa" else "sdpa"
+            raise Refused(
+                f"cannot load reference checkpoint {loaded.reference_source.name}:\n{_message(exc)}"
+            ) from None
         spread_reference = copy.deepcopy(reference)
-        spread_reference.set_attn_implementation(other)
+        spread_reference.set_attn_implementation(_other(args.attn))
+    return reference, how, spread_reference
 
-    tolerances = {
+
+def _other(attn: str) -> str:
+    return "eager" if attn == "sdpa" else "sdpa"
+
+
+def _meta(transformers, args: argparse.Namespace, loaded: Loaded, how: str) -> dict[str, str]:
+    """The report's header: what each side read, the model, the reference, the inputs."""
+    source, reference, config = loaded.source, loaded.reference_source, loaded.ours.config
+    if reference is source:
+        meta = {"checkpoint": f"{source.describe()}, read by both the port and transformers"}
+    else:
+        meta = {
+            "checkpoint": f"{source.describe()}, read by the port",
+            "reference_checkpoint": f"{reference.describe()}, read by transformers (reference and spread)",
+            "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
+            "transformers': a FAIL means they differ beyond tolerance (without "
+            "--reference-checkpoint, the port alone is checked)",
+        }
+    if loaded.differences:
+        meta["config_differences"] = f"{'; '.join(loaded.differences)} (--checkpoint vs --reference-checkpoint)"
+    meta["model"] = (
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocab {config.vocab_size}"
+    )
+    meta["reference"] = f"transformers {transformers.__version__}: {how}"
+    meta["attention"] = (
+        f"{args.attn} on both sides; spread = transformers {_other(args.attn)} vs transformers {args.attn}"
+    )
+    meta["inputs"] = loaded.inputs
+    meta["versions"] = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if loaded.note:
+        meta["note"] = loaded.note
+    return meta
+
+
+def _tolerances(args: argparse.Namespace) -> dict:
+    return {
         dtype: parity.Tolerance(
             atol=tol.atol if args.atol is None else args.atol, rtol=tol.rtol if args.rtol is None else args.rtol
         )
         for dtype, tol in parity.TOLERANCES.items()
     }
-    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
-    pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
-    if reference_source is source:
-        sides = {"checkpoint": f"{source.describe()}, read by both the port and transformers"}
-    else:
-        sides = {
-            "checkpoint": f"{source.describe()}, read by the port",
-            "reference_checkpoint": f"{reference_source.describe()}, read by transformers (reference and spread)",
-            "compares": "the two checkpoints' weights, through the port's loader and forward pass against "
-            "transformers': a FAIL means they differ beyond tolerance (without "
-            "--reference-checkpoint, the port alone is checked)",
-        }
-    meta = {
-        **sides,
-        "model": (
-            f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, vocab {config.vocab_size}"
-        ),
-        "reference": f"transformers {transformers.__version__}: {how}",
-        "attention": f"{args.attn} on both sides; spread = transformers {other} vs transformers {args.attn}",
-        "inputs": (
-            f"{len(examples)} examples from {texts_from} ({pairs} pairs), max length {max_length}"
-            + ("" if args.no_adversarial else ", plus the edge cases")
-            + f"; {len(batches)} batches, {sum(b.rows for b in batches)} rows, "
-            f"{sum(b.real_tokens for b in batches)} real and {sum(b.pad_tokens for b in batches)} pad tokens"
-        ),
-        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
-    }
-    if note:
-        meta["note"] = note
 
+
+def run(transformers, args: argparse.Namespace, loaded: Loaded) -> parity.Report:
+    """Both models on every device x dtype asked for, site by site."""
+    reference, how, spread_reference = load_references(transformers, args, loaded)
     rows = parity.check_matrix(
-        ours,
+        loaded.ours,
         reference,
-        batches,
-        devices=devices,
+        loaded.batches,
+        devices=["cpu", "cuda"] if args.device == "all" else [args.device],
         dtypes=args.dtype,
-        tolerances=tolerances,
+        tolerances=_tolerances(args),
         spread_reference=spread_reference,
         progress=not args.no_progress,
     )
-    report = parity.Report(rows, meta)
-    print(parity.format_report(report))
+    return parity.Report(rows, _meta(transformers, args, loaded, how))
 
+
+def report(args: argparse.Namespace, result: parity.Report, batches: list) -> int:
+    """Print the report, write the JSON and the plot asked for; the exit status."""
+    print(parity.format_report(result))
     if args.json:
-        data = parity.report_to_json(report)
+        data = parity.report_to_json(result)
         data["batches"] = [
             {"name": b.name, "rows": b.rows, "real_tokens": b.real_tokens, "pad_tokens": b.pad_tokens} for b in batches
         ]
+        tolerances = _tolerances(args)
         data["tolerances"] = {parity.dtype_name(d): {"atol": t.atol, "rtol": t.rtol} for d, t in tolerances.items()}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        parity.plot_report(report, args.plot)
+        parity.plot_report(result, args.plot)
         print(f"wrote {args.plot}")
-    if not report.ran:
-        return _fail(f"nothing was compared: {rows[0].skipped}. Use --device cpu")
-    return 0 if report.passed else 1
+    if not result.ran:
+        print(f"error: nothing was compared: {result.rows[0].skipped}. Use --device cpu", file=sys.stderr)
+        return 2
+    return 0 if result.passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        transformers = _require_extras(args)
+        loaded = load(args)
+        result = run(transformers, args, loaded)
+    except Refused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return report(args, result, loaded.batches)
 
 
 if __name__ == "__main__":
