@@ -17,13 +17,14 @@ import torch
 from conftest import TINY, load_last, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
+from bert_port.assets import config_dir
 from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
 from bert_port.data import builtin_splits, load_mr, load_sms, write_texts
 from bert_port.training import FinetuneConfig, StopRequest, load_config_file
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "bert_port" / "configs"
+CONFIGS = config_dir()
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def test_head_loads_transformers_checkpoint_and_matches(tmp_path, name):
     exact.save_pretrained(tmp_path / "ours")
     back, info = type(hf).from_pretrained(str(tmp_path / "ours"), output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
-    back.config._attn_implementation = "eager"
+    back.set_attn_implementation("eager")
     with torch.no_grad():
         assert_outputs_equal(back.eval()(**batch, **labels, return_dict=False), expected)
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == [name]

@@ -14,10 +14,10 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..assets import config_dir, config_path
 from ..data import BUILTIN_DATASETS
 from ..devices import resolve_device
 from ..problem import ProblemType
@@ -306,19 +306,18 @@ def check_max_length(max_length: int, max_positions: int | None, pairs: bool = F
 
 
 def bundled_config(name: str) -> Path | None:
-    """The recipe `name` (e.g. `finetune_mr_minilm`) shipped in `bert_port/configs/`, if any."""
-    candidate = resources.files("bert_port") / "configs" / (name if name.endswith(".json") else f"{name}.json")
-    return Path(str(candidate)) if candidate.is_file() else None
+    """The recipe `name` (e.g. `finetune_mr_minilm`) shipped in `configs/`, if any."""
+    candidate = config_path(name)
+    return candidate if candidate.is_file() else None
 
 
 def bundled_recipes() -> list[str]:
-    folder = resources.files("bert_port") / "configs"
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.startswith("finetune_"))
+    return sorted(p.name.removesuffix(".json") for p in config_dir().iterdir() if p.name.startswith("finetune_"))
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a fine-tuning configuration: a JSON file, or the name of a recipe bundled in
-    `bert_port/configs/` (`finetune_mr_minilm`), so that it works from an installed wheel.
+    `configs/` (`finetune_mr_minilm`), which a wheel ships too.
     Keys are `FinetuneConfig` fields; unknown keys are an error (a typo would do nothing)."""
     path = Path(path)
     if not path.exists() and path.parent == Path(".") and bundled_config(path.name) is not None:
