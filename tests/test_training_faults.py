@@ -390,9 +390,11 @@ def test_missing_label_column_and_directory_as_data(tmp_path, ckpt, data, capsys
 def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, capsys):
     import fcntl
 
+    from bert_port.training.run_folder import RUN_LOCK
+
     out = tmp_path / "out"
     out.mkdir()
-    fd = os.open(out, os.O_RDONLY)
+    fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running bert-port-finetune holds it
         assert_refused(
@@ -675,6 +677,7 @@ def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch
     `repair` would), not delete the new files as leftovers and roll back to the old ones."""
     import bert_port.checkpoint as ckpt
     from bert_port.training import own_output_dir
+    from bert_port.training.run_folder import RUN_LOCK
 
     out = tmp_path / "run"
     out.mkdir()
@@ -691,7 +694,7 @@ def test_a_new_run_finishes_a_save_killed_after_its_commit(tmp_path, monkeypatch
 
     with own_output_dir(out):
         assert (out / "config.json").read_text() == "new"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK, "config.json"]  # the run's lock file stays
 
 
 def test_predict_with_no_tokenizer_files_is_an_error_not_a_traceback(tmp_path, capsys):

@@ -1,11 +1,13 @@
 """The output folder of a fine-tuning run: its file names, the checks before a run starts
 there, and the lock that keeps a second run out.
 
-The folder is locked for the whole run with the same re-entrant `flock` that checkpoint
-saves take (`checkpoint.DirectoryLock`): a second run is refused at once, a save from
-another process waits, and the kernel drops the lock when its process dies, so a killed run
-never blocks the next. On taking it, what killed saves left is tidied (`checkpoint.tidy`:
-a save killed after its commit is finished, other temporaries deleted).
+A run holds an `flock` on its run-lock file (`.bert_port-run.lock` in the folder) for the
+whole run: a second run is refused at once, and the kernel drops the lock when its process
+dies, so a killed run never blocks the next. It is not the folder's own lock
+(`checkpoint.DirectoryLock`), which each save takes only while it writes: loads of the
+folder (the other ranks' load of the best checkpoint, a user's look mid-run) then wait for a
+save in progress, not for the whole run. On taking it, what killed saves left is tidied
+(`checkpoint.tidy`: a save killed after its commit is finished, recorded temporaries deleted).
 """
 
 from __future__ import annotations
@@ -27,6 +29,30 @@ METRICS_FILE = "metrics.json"
 CURVES_FILE = "training_curves.png"
 RESOLVED_CONFIG = "training_config.json"
 DATA_DIR = "data"  # a bundled dataset's split, written as CSV files
+RUN_LOCK = ".bert_port-run.lock"
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path) -> Iterator[None]:
+    """Hold `out`'s run lock, or raise `FinetuneError` when another run holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: runs go unlocked
+        yield
+        return
+    fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FinetuneError(
+            f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
+            "choose another --output-dir"
+        ) from None
+    try:
+        yield
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
@@ -65,15 +91,7 @@ def own_output_dir(out: Path) -> Iterator[Path]:
     os.close(fd)
     if not os.access(out, os.W_OK):
         raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
-    try:
-        # Re-entrant: this run's own saves into `out` nest inside it.
-        lock = ckpt.DirectoryLock(out, blocking=False)
-    except BlockingIOError:
-        raise FinetuneError(
-            f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
-            "choose another --output-dir"
-        ) from None
-    try:
+    with _run_lock(out):
         # `checkpoint.StagedWrite` and `data.write_records` stage files as hidden temporaries.
         removed = size = 0
         for folder in (out, out / DATA_DIR):
@@ -85,8 +103,6 @@ def own_output_dir(out: Path) -> Iterator[Path]:
                 "removed %d temporary file(s) (%.1f MiB) left in %s by an interrupted run", removed, size / 2**20, out
             )
         yield out
-    finally:
-        lock.release()
 
 
 def lock_output_dir(cfg: FinetuneConfig, out: Path, d: Dist, stack: contextlib.ExitStack) -> None:
