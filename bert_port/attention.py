@@ -33,6 +33,11 @@ def sdpa_attention(
     return context.reshape(*context.shape[:2], -1).contiguous()
 
 
+# Sequences at least this long take the CPU flash kernel in fp32 inference: there it beats
+# two `bmm` and a softmax (README, "Speed").
+FP32_FLASH_MIN_LEN = 128
+
+
 def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float = 0.0) -> Tensor:
     """Self-attention within each packed sequence on its real tokens only: qkv (N, 3H), the
     fused query, key and value of the real tokens -> context (N, H).
@@ -46,7 +51,10 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     - fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
       inference and in training. The CPU flash kernel is slower on sequences this short
       (L of a few tens), and fp32 scores lose nothing; its backward is two more `bmm`, so a
-      fine-tuning step is faster than with the padded call below.
+      fine-tuning step is faster than with the padded call below. In inference a sequence of
+      `FP32_FLASH_MIN_LEN` tokens or more takes the flash kernel, which wins there (it never
+      materialises the (nh, L, L) scores). The choice depends on the sequence's own length,
+      never on its neighbours, so a text gets the same kernel alone as in any batch.
     - bf16/fp16 inference: the flash kernel per sequence (`_flash_attention`), faster there
       and with scores and softmax kept in fp32.
     - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
@@ -57,12 +65,17 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     half = qkv.dtype in (torch.float16, torch.bfloat16)
     if qkv.is_cuda or (half and torch.is_grad_enabled() and qkv.requires_grad):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    attend = _flash_attention if half else _math_attention  # float64 too: the math path
+    long_flash = qkv.dtype == torch.float32 and not (torch.is_grad_enabled() and qkv.requires_grad)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # float64 too: the math path
+        flash = half or (long_flash and q.shape[1] >= FP32_FLASH_MIN_LEN)
+        return (_flash_attention if flash else _math_attention)(q, k, v, scale, dropout_p)
+
     N, three_h = qkv.shape
     head_size = three_h // (3 * num_heads)
     q, k, v = qkv.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
     per_sequence = zip(*(t.split(packing.seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
-    contexts = [attend(*qkv_i, scale, dropout_p).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
+    contexts = [attend(*qkv_i).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
     return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows
 
 
@@ -88,7 +101,8 @@ def _padded_sdpa_of_packed(qkv: Tensor, packing: Packing, num_heads: int, scale:
     B, T = packing.batch_size, packing.seq_len
     qkv = pad(qkv, packing).view(B, T, 3, num_heads, -1)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (B, nh, T, hs)
-    return unpad(sdpa_attention(q, k, v, packing.key_mask, scale, dropout_p), packing)  # (N, H)
+    context = unpad(sdpa_attention(q, k, v, packing.key_mask, scale, dropout_p), packing)  # (N, H)
+    return F.pad(context, (0, 0, 0, packing.filler))  # (N + F, H): filler rows stay zero
 
 
 def varlen_supported(x: Tensor, dropout_p: float) -> bool:

@@ -27,7 +27,7 @@ from .attention import packed_attention, sdpa_attention, varlen_attention, varle
 from .base_bert import BertPreTrainedModel
 from .config import BertConfig
 from .outputs import ModelOutput
-from .packing import Packing, pack, pad, unpad
+from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
 from .utils import additive_mask, get_activation, get_extended_attention_mask
 from .validation import check_inputs
 
@@ -255,14 +255,16 @@ class BertModel(BertPreTrainedModel):
         """Run every layer: (B, T, H) -> (B, T, H). Also returns, when asked for, all hidden
         states (embeddings first) and all attention probabilities.
 
-        When `packing_for` allows it (SDPA or varlen attention, a 2-D mask with padding), the
-        layers run on the N real tokens only, and padding positions of every output are zeros.
+        When `packing_for` allows it (the default: SDPA or varlen attention, a 2-D mask or none),
+        the layers run on the N real tokens only (with filler rows up to `MIN_GEMM_ROWS`, which
+        makes every row's result independent of the batch; see `packing.py`), and padding
+        positions of every output are zeros.
         """
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden_states.device)
-        packing = self.packing_for(attention_mask, output_attentions)  # None: the padded path
+        packing = self.packing_for(attention_mask, output_attentions, hidden_states)  # None: the padded path
         if packing is not None:
-            hidden_states = unpad(hidden_states, packing)  # (N, H)
+            hidden_states, packing = with_filler(unpad(hidden_states, packing), packing)  # (N + F, H)
             extended_mask = None  # packed rows attend within their own sequence (`packing`)
         else:
             extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
@@ -289,25 +291,28 @@ class BertModel(BertPreTrainedModel):
             tuple(all_attn) if output_attentions else None,
         )
 
-    def packing_for(self, attention_mask: Tensor | None, output_attentions: bool = False) -> Packing | None:
+    def packing_for(
+        self, attention_mask: Tensor | None, output_attentions: bool = False, hidden_states: Tensor | None = None
+    ) -> Packing | None:
         """The packing of the real tokens when this batch can run unpadded, else None.
 
         Unpadded execution needs `config.unpad_inputs`, SDPA or varlen (eager is transformers'
         maths on the padded batch), an encoder (no causal mask), no attention probabilities,
-        and a 2-D padding mask with some padding (without, there is nothing to skip). A
-        left-padded batch keeps the padded path, because the pooler reads position 0 even
-        where it is padding. Tracing (`torch.export`, `torch.compile`) keeps it too: packing
-        needs the sequence lengths on the host.
+        and a 2-D padding mask, or none (every token of `hidden_states` (B, T, H) real). A batch without padding is packed too: a text then runs the same kernels
+        alone as in any batch. A left-padded batch keeps the padded path, because the pooler
+        reads position 0 even where it is padding. Tracing (`torch.export`, `torch.compile`)
+        keeps it too: packing needs the sequence lengths on the host.
         """
         cfg = self.config
         if not cfg.unpad_inputs or cfg.attn_implementation == "eager" or cfg.is_decoder or output_attentions:
             return None
-        if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (attention_mask is None and hidden_states is None):
             return None
-        if not bool(attention_mask[:, 0].bool().all()):
+        if attention_mask is None:
+            attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+        if attention_mask.dim() != 2 or not bool(attention_mask[:, 0].bool().all()):
             return None
-        packing = pack(attention_mask)
-        return packing if packing.indices is not None else None
+        return pack(attention_mask)
 
     def forward(
         self,
@@ -335,7 +340,7 @@ class BertModel(BertPreTrainedModel):
         )
         pooled = None
         if self.add_pooling_layer:
-            pooled = self.pooler_af(self.pooler_dense(sequence_output[:, 0]))
+            pooled = self.pooler_af(linear_rows(self.pooler_dense, sequence_output[:, 0]))
         out = ModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=pooled,

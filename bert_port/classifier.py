@@ -14,6 +14,7 @@ from .bert import BertModel
 from .config import BertConfig
 from .heads import _BertWithHead
 from .outputs import ModelOutput
+from .packing import linear_rows
 from .problem import IGNORE_INDEX, ProblemType, per_example_loss
 
 __all__ = ["IGNORE_INDEX", "BertForSequenceClassification", "per_example_loss"]
@@ -59,7 +60,7 @@ class BertForSequenceClassification(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = self.classifier(self.dropout(outputs.pooler_output))  # (B, num_labels)
+        logits = linear_rows(self.classifier, self.dropout(outputs.pooler_output))  # (B, num_labels)
         loss = None
         if labels is not None:
             if self.config.problem_type is None:

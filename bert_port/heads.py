@@ -18,6 +18,7 @@ from .base_bert import BertPreTrainedModel
 from .bert import BertModel
 from .config import BertConfig
 from .outputs import ModelOutput
+from .packing import linear_rows
 from .problem import IGNORE_INDEX
 from .utils import get_activation
 
@@ -38,7 +39,7 @@ class BertPredictionHeadTransform(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+        return self.LayerNorm(self.transform_act_fn(linear_rows(self.dense, hidden_states)))
 
 
 class BertLMPredictionHead(nn.Module):
@@ -52,7 +53,7 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.decoder(self.transform(hidden_states))  # (B, T, vocab)
+        return linear_rows(self.decoder, self.transform(hidden_states))  # (B, T, vocab)
 
 
 class BertOnlyMLMHead(nn.Module):
@@ -71,7 +72,7 @@ class BertPreTrainingHeads(nn.Module):
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, sequence_output: Tensor, pooled_output: Tensor) -> tuple[Tensor, Tensor]:
-        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
+        return self.predictions(sequence_output), linear_rows(self.seq_relationship, pooled_output)
 
 
 def _token_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -246,7 +247,7 @@ class BertForTokenClassification(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
+        logits = linear_rows(self.classifier, self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
         loss = _token_loss(logits, labels) if labels is not None else None
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.returned(return_dict)
@@ -288,7 +289,7 @@ class BertForQuestionAnswering(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
+        logits = linear_rows(self.qa_outputs, outputs.last_hidden_state)  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()  # (B, T)
         end_logits = end_logits.squeeze(-1).contiguous()

@@ -5,11 +5,20 @@ the FFN and the LayerNorms act on each token on its own, so they can run on the 
 rows only; attention is the one place where tokens meet, and it needs to know where each
 sequence starts and ends, which `Packing` records.
 
-Shapes: B batch, T padded length, N real tokens.
+Shapes: B batch, T padded length, N real tokens, F filler rows.
+
+Batch invariance: a text's outputs are the same bits alone or in any batch. Packing gives each
+sequence the same attention call whatever its neighbours, and every other op of a layer works
+row by row; what is left is the matrix multiply, whose kernels (MKL, oneDNN) pick their
+blocking by the number of rows M and give a row the same bits for every M from some size on
+(M >= 4 for fp32 on AVX2, M >= 16 on AVX-512). So a packed batch of fewer than `MIN_GEMM_ROWS`
+rows gets filler rows, a sequence of its own that attends only to itself and is dropped by
+`pad`, and the small GEMMs outside the layers (pooler, heads) go through `linear_rows`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -38,9 +47,11 @@ class Packing:
     batch_size: int
     seq_len: int
     key_mask: Tensor
+    filler: int = 0  # F zero rows after the N real ones, a sequence of their own (`with_filler`)
 
     @property
     def num_tokens(self) -> int:
+        """Rows of the packed tensor: the N real tokens and the F filler rows."""
         return sum(self.seqlens)
 
     @property
@@ -67,6 +78,30 @@ def pack(attention_mask: Tensor) -> Packing:
     return Packing(indices, cu_seqlens, seqlens, B, T, key_mask=keep[:, None, None, :])
 
 
+MIN_GEMM_ROWS = 16
+
+
+def with_filler(x: Tensor, packing: Packing, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, Packing]:
+    """Packed rows x (N, ...) with zero rows appended up to `rows`, as one more sequence, and
+    the packing that says so; unchanged when N >= `rows` already."""
+    filler = rows - x.shape[0]
+    if filler <= 0:
+        return x, packing
+    x = torch.cat([x, x.new_zeros(filler, *x.shape[1:])])
+    cu_seqlens = torch.cat([packing.cu_seqlens, packing.cu_seqlens[-1:] + filler])
+    return x, dataclasses.replace(packing, cu_seqlens=cu_seqlens, seqlens=(*packing.seqlens, filler), filler=filler)
+
+
+def linear_rows(layer: torch.nn.Linear, x: Tensor) -> Tensor:
+    """`layer(x)` for x (..., K), with the rows of the GEMM made up to `MIN_GEMM_ROWS` by zero
+    rows, so that a row's result does not depend on how many others there are."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] >= MIN_GEMM_ROWS:
+        return layer(x)
+    padded = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - rows.shape[0], rows.shape[1])])
+    return layer(padded)[: rows.shape[0]].reshape(*x.shape[:-1], -1)
+
+
 def unpad(x: Tensor, packing: Packing) -> Tensor:
     """(B, T, ...) -> (N, ...): the real tokens, in row-major order."""
     flat = x.reshape(packing.batch_size * packing.seq_len, *x.shape[2:])
@@ -74,7 +109,10 @@ def unpad(x: Tensor, packing: Packing) -> Tensor:
 
 
 def pad(x: Tensor, packing: Packing) -> Tensor:
-    """(N, ...) -> (B, T, ...), zeros at padding positions. Differentiable (out of place)."""
+    """(N + F, ...) -> (B, T, ...), zeros at padding positions, filler rows dropped.
+    Differentiable (out of place)."""
+    if packing.filler:
+        x = x[: x.shape[0] - packing.filler]
     if packing.indices is not None:
         flat = x.new_zeros(packing.batch_size * packing.seq_len, *x.shape[1:])
         x = flat.index_copy_(0, packing.indices, x)  # in place on a fresh buffer: autograd handles it
