@@ -32,6 +32,14 @@ from .utils import additive_mask, get_activation, get_extended_attention_mask
 from .validation import check_inputs
 
 
+def batch_invariant(config: BertConfig) -> bool:
+    """Whether a model of `config` runs the default, batch-invariant path (packed rows,
+    every GEMM of at least `packing.MIN_GEMM_ROWS` rows): SDPA or varlen attention with
+    unpadding, on an encoder. The exact path (eager, or `unpad_inputs=False`) runs
+    transformers' operations on transformers' shapes instead."""
+    return config.unpad_inputs and config.attn_implementation != "eager" and not config.is_decoder
+
+
 def prepare_mask(
     config: BertConfig, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
 ) -> Tensor | None:
@@ -340,7 +348,7 @@ class BertModel(BertPreTrainedModel):
         )
         pooled = None
         if self.add_pooling_layer:
-            pooled = self.pooler_af(linear_rows(self.pooler_dense, sequence_output[:, 0]))
+            pooled = self.pooler_af(linear_rows(self.pooler_dense, sequence_output[:, 0], batch_invariant(self.config)))
         out = ModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=pooled,

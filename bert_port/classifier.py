@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .bert import BertModel
+from .bert import BertModel, batch_invariant
 from .config import BertConfig
 from .heads import _BertWithHead
 from .outputs import ModelOutput
@@ -60,7 +60,8 @@ class BertForSequenceClassification(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = linear_rows(self.classifier, self.dropout(outputs.pooler_output))  # (B, num_labels)
+        pooled = self.dropout(outputs.pooler_output)
+        logits = linear_rows(self.classifier, pooled, batch_invariant(self.config))  # (B, num_labels)
         loss = None
         if labels is not None:
             if self.config.problem_type is None:

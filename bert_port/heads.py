@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base_bert import BertPreTrainedModel
-from .bert import BertModel
+from .bert import BertModel, batch_invariant
 from .config import BertConfig
 from .outputs import ModelOutput
 from .packing import linear_rows
@@ -34,12 +34,14 @@ class BertPredictionHeadTransform(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.config = config
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.transform_act_fn = get_activation(config.hidden_act)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.LayerNorm(self.transform_act_fn(linear_rows(self.dense, hidden_states)))
+        dense = linear_rows(self.dense, hidden_states, batch_invariant(self.config))
+        return self.LayerNorm(self.transform_act_fn(dense))
 
 
 class BertLMPredictionHead(nn.Module):
@@ -48,12 +50,13 @@ class BertLMPredictionHead(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.config = config
         self.transform = BertPredictionHeadTransform(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return linear_rows(self.decoder, self.transform(hidden_states))  # (B, T, vocab)
+        return linear_rows(self.decoder, self.transform(hidden_states), batch_invariant(self.config))  # (B, T, vocab)
 
 
 class BertOnlyMLMHead(nn.Module):
@@ -68,11 +71,13 @@ class BertOnlyMLMHead(nn.Module):
 class BertPreTrainingHeads(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.config = config
         self.predictions = BertLMPredictionHead(config)
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, sequence_output: Tensor, pooled_output: Tensor) -> tuple[Tensor, Tensor]:
-        return self.predictions(sequence_output), linear_rows(self.seq_relationship, pooled_output)
+        floor = batch_invariant(self.config)
+        return self.predictions(sequence_output), linear_rows(self.seq_relationship, pooled_output, floor)
 
 
 def _token_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -247,7 +252,8 @@ class BertForTokenClassification(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = linear_rows(self.classifier, self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
+        hidden = self.dropout(outputs.last_hidden_state)
+        logits = linear_rows(self.classifier, hidden, batch_invariant(self.config))  # (B, T, num_labels)
         loss = _token_loss(logits, labels) if labels is not None else None
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.returned(return_dict)
@@ -289,7 +295,7 @@ class BertForQuestionAnswering(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = linear_rows(self.qa_outputs, outputs.last_hidden_state)  # (B, T, 2)
+        logits = linear_rows(self.qa_outputs, outputs.last_hidden_state, batch_invariant(self.config))  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()  # (B, T)
         end_logits = end_logits.squeeze(-1).contiguous()

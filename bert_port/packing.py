@@ -92,11 +92,13 @@ def with_filler(x: Tensor, packing: Packing, rows: int = MIN_GEMM_ROWS) -> tuple
     return x, dataclasses.replace(packing, cu_seqlens=cu_seqlens, seqlens=(*packing.seqlens, filler), filler=filler)
 
 
-def linear_rows(layer: torch.nn.Linear, x: Tensor) -> Tensor:
+def linear_rows(layer: torch.nn.Linear, x: Tensor, floor: bool = True) -> Tensor:
     """`layer(x)` for x (..., K), with the rows of the GEMM made up to `MIN_GEMM_ROWS` by zero
-    rows, so that a row's result does not depend on how many others there are."""
+    rows, so that a row's result does not depend on how many others there are. Without
+    `floor` (the exact path, which runs transformers' GEMMs on transformers' shapes), and
+    while tracing (the row count may be symbolic), it is `layer(x)`."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= MIN_GEMM_ROWS:
+    if not floor or torch.compiler.is_compiling() or rows.shape[0] >= MIN_GEMM_ROWS:
         return layer(x)
     padded = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - rows.shape[0], rows.shape[1])])
     return layer(padded)[: rows.shape[0]].reshape(*x.shape[:-1], -1)

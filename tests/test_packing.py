@@ -53,14 +53,17 @@ def test_pack_refuses_a_3d_mask():
         pack(torch.ones(2, 3, 3))
 
 
-def test_packing_for_chooses_the_unpadded_path_only_where_it_computes_the_same():
+def test_packing_for_chooses_the_unpadded_path_where_it_computes_the_same():
     config = {"vocab_size": 99, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
     model = BertModel(BertConfig.from_dict({**config, "intermediate_size": 8}))
     right = torch.tensor([[1, 1, 0], [1, 1, 1]])
     assert isinstance(model.packing_for(right), Packing)
     assert model.packing_for(torch.tensor([[0, 1, 1], [1, 1, 1]])) is None  # the pooler reads position 0
-    assert model.packing_for(torch.ones(2, 3)) is None  # nothing to skip
-    assert model.packing_for(None) is None
+    # No padding, or no mask, packs too (a reshape): a text runs the same kernels alone as in a
+    # padded batch (tests/test_batch_invariance.py).
+    assert model.packing_for(torch.ones(2, 3)).indices is None
+    assert model.packing_for(None, hidden_states=torch.zeros(2, 3, 8)).seqlens == (3, 3)
+    assert model.packing_for(None) is None  # no mask and no shape to make one from
     assert model.packing_for(torch.ones(2, 3, 3)) is None  # a per-query mask is no packing
     assert model.packing_for(right, output_attentions=True) is None  # only eager returns probabilities
     for field, value in (("attn_implementation", "eager"), ("unpad_inputs", False), ("is_decoder", True)):
