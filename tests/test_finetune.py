@@ -22,6 +22,7 @@ from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
 from bert_port.data import builtin_splits, load_mr, load_sms, write_texts
 from bert_port.training import FinetuneConfig, StopRequest, load_config_file
+from bert_port.training.run_folder import RUN_LOCK
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = config_dir()
@@ -325,7 +326,8 @@ def test_checkpoint_writes_leave_no_temporary_files(tmp_path, sms_files, tiny_ch
     out = tmp_path / "run"
     args = tiny_args(sms_files, tiny_checkpoints["no_dropout"], out, "--epochs", "1", "--save-steps", "2")
     assert run_finetune(*args) == 0
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
+    hidden = [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
+    assert hidden == [RUN_LOCK]  # the run's lock file, and no temporary
     assert load_last(out)["progress"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 5}
 
 
