@@ -37,7 +37,12 @@ def batch_invariant(config: BertConfig) -> bool:
     every GEMM of at least `packing.MIN_GEMM_ROWS` rows): SDPA or varlen attention with
     unpadding, on an encoder. The exact path (eager, or `unpad_inputs=False`) runs
     transformers' operations on transformers' shapes instead."""
-    return config.unpad_inputs and config.attn_implementation != "eager" and not config.is_decoder
+    return (
+        config.batch_invariant
+        and config.unpad_inputs
+        and config.attn_implementation != "eager"
+        and not config.is_decoder
+    )
 
 
 def prepare_mask(
@@ -272,7 +277,9 @@ class BertModel(BertPreTrainedModel):
             attention_mask = attention_mask.to(hidden_states.device)
         packing = self.packing_for(attention_mask, output_attentions, hidden_states)  # None: the padded path
         if packing is not None:
-            hidden_states, packing = with_filler(unpad(hidden_states, packing), packing)  # (N + F, H)
+            hidden_states = unpad(hidden_states, packing)  # (N, H)
+            if self.config.batch_invariant:
+                hidden_states, packing = with_filler(hidden_states, packing)  # (N + F, H)
             extended_mask = None  # packed rows attend within their own sequence (`packing`)
         else:
             extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
@@ -316,11 +323,12 @@ class BertModel(BertPreTrainedModel):
             return None
         if torch.compiler.is_compiling() or (attention_mask is None and hidden_states is None):
             return None
-        if attention_mask is None:
+        if attention_mask is None and cfg.batch_invariant:
             attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-        if attention_mask.dim() != 2 or not bool(attention_mask[:, 0].bool().all()):
+        if attention_mask is None or attention_mask.dim() != 2 or not bool(attention_mask[:, 0].bool().all()):
             return None
-        return pack(attention_mask)
+        packing = pack(attention_mask)
+        return packing if cfg.batch_invariant or packing.indices is not None else None
 
     def forward(
         self,

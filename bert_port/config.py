@@ -80,14 +80,14 @@ class ConfigError(ValueError):
 # never dataclass fields, so never in `to_dict()` or config.json. The constructor, `from_dict`,
 # `from_json_file` and `from_pretrained` take them as keywords (`attn_implementation="eager"`),
 # as transformers does.
-RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True}
+RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True, "batch_invariant": True}
 
 
 def _check_runtime_option(name: str, value: Any) -> None:
     if name == "attn_implementation" and (not isinstance(value, str) or value not in ATTN_IMPLEMENTATIONS):
         raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
-    if name == "unpad_inputs" and not isinstance(value, bool):
-        raise ConfigError(f"unpad_inputs must be true or false, got {value!r}")
+    if name in ("unpad_inputs", "batch_invariant") and not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 class _RuntimeOption:
@@ -144,9 +144,14 @@ class BertConfig:
     # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
     # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
     unpad_inputs: InitVar[bool] = _RuntimeOption("unpad_inputs")
+    # On the unpadded path, give a text the same bits alone and in any batch: batches without
+    # padding are packed too, and every GEMM runs on at least 16 rows (see packing.py). False
+    # restores the old rule (one padded SDPA call for a batch without padding).
+    batch_invariant: InitVar[bool] = _RuntimeOption("batch_invariant")
 
-    def __post_init__(self, attn_implementation: str, unpad_inputs: bool) -> None:
+    def __post_init__(self, attn_implementation: str, unpad_inputs: bool, batch_invariant: bool) -> None:
         self.attn_implementation, self.unpad_inputs = attn_implementation, unpad_inputs  # validated on the way
+        self.batch_invariant = batch_invariant
         for name in ("id2label", "label2id"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import BertConfig
+from .config import RUNTIME_OPTIONS, BertConfig
 from .devices import resolve_device
 
 if TYPE_CHECKING:
@@ -162,5 +162,5 @@ def resolve_config(
         return BertConfig.from_json_file(files.config_file, **overrides)
     if not overrides:
         return config
-    runtime = {"attn_implementation": config.attn_implementation, "unpad_inputs": config.unpad_inputs}
+    runtime = {name: getattr(config, name) for name in RUNTIME_OPTIONS}
     return BertConfig.from_dict(config.to_dict(), **{**runtime, **overrides})

@@ -38,6 +38,10 @@ from .harness import (
 )
 from .peers import peer_rows
 
+# The port without batch invariance (`batch_invariant=False`): what the guarantee costs is the
+# port row's time against this one's, in the same run.
+INVARIANCE_OFF = "port, batch_invariant=False"
+
 
 def model_forward(model, autocast: torch.dtype | None = None, **config) -> Forward:
     """`model`'s last hidden state under inference mode, optionally under autocast and with
@@ -235,6 +239,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
         REFERENCE: Row(reference),
         "port": Row(model_forward(ours)),
         "port padded (unpad_inputs=False)": Row(model_forward(ours, unpad_inputs=False)),
+        INVARIANCE_OFF: Row(model_forward(ours, batch_invariant=False)),
     }
     compiled = compiled_layers(args, ours, batches, report)
     if compiled is not None:
@@ -246,7 +251,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
         rows.update(peers)
         result = {"real_length_mean": float(lens.mean()), "padding_fraction": 1 - real}
         result["fp32"] = time_rows("MiniLM / MR, fp32", rows, reference, batches, ours.config, args, device, report)
-    for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name]):
+    for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name] + [INVARIANCE_OFF]):
         report.line(line)
     if bf16:
         result["bf16"] = bf16_rows("MiniLM / MR", ours, ref, reference, batches, args, device, report, path)
@@ -344,11 +349,17 @@ def section_fixed(args, device: torch.device, bf16: bool, report) -> dict[str, A
             "attention_mask": torch.ones(B, T, dtype=torch.long, device=device),
             "token_type_ids": torch.zeros(B, T, dtype=torch.long, device=device),
         }
-        rows = {REFERENCE: Row(reference), "port": Row(model_forward(ours))}
+        rows = {
+            REFERENCE: Row(reference),
+            "port": Row(model_forward(ours)),
+            INVARIANCE_OFF: Row(model_forward(ours, batch_invariant=False)),
+        }
         title = f"bert-base {B}x{T}"
         result[f"{B}x{T}"] = {
             "fp32": time_rows(f"{title}, fp32", rows, reference, [batch], ours.config, args, device, report)
         }
+        for line in port_vs(result[f"{B}x{T}"]["fp32"], "port", [INVARIANCE_OFF]):
+            report.line(line)
         if bf16:
             result[f"{B}x{T}"]["bf16"] = bf16_rows(title, ours, ref, reference, [batch], args, device, report)
     return result
