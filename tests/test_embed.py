@@ -252,7 +252,8 @@ PEAK = (
 def _peak_kib(model, src, out) -> int:
     flags = ["--no-progress", "--shard-size", "500", "--sort-window", "250", "--batch-tokens", "2048"]
     done = subprocess.run([sys.executable, "-c", PEAK, "--model", str(model), str(src), str(out), *flags],
-                          env=_env(1), capture_output=True, text=True, check=True)  # fmt: skip
+                          env={**_env(1), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
+                          capture_output=True, text=True, check=True)  # fmt: skip
     return int(done.stdout.split()[-1])
 
 
@@ -261,7 +262,12 @@ def test_peak_memory_flat(tiny_model, tmp_path):
     """Peak RSS (the child's own VmHWM) at 2,000 and at 20,000 short MR texts. Holding the
     corpus would cost about 1 KiB a text in Python objects and tokenizer encodings (20 MiB
     more at 20,000); streaming keeps one shard of 500, plus 8 bytes a text for the duplicate
-    check (140 KiB more). 4 MiB of margin covers allocator noise and is a fifth of the former."""
+    check (140 KiB more). 4 MiB of margin covers allocator noise and is a fifth of the former.
+
+    oneDNN keeps a compiled kernel per matmul shape (up to ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+    1024 by default), and unpadded batches have many shapes: that cache grows (about 10 MiB
+    over 40 shards of the tiny model) until it is full, whatever the corpus. It is switched
+    off in the child so that what is measured is the corpus's share."""
     sizes = {}
     for n in (2000, 20000):
         texts = [" ".join(MR[i % len(MR)].split()[:12]) for i in range(n)]
