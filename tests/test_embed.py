@@ -34,8 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 
 def _jsonl(path: Path, texts=TEXTS, ids=IDS, **extra) -> Path:
     with open(path, "w", encoding="utf-8") as f:
-        for i, t in zip(ids, texts):
-            f.write(json.dumps({"id": i, "text": t, **extra}) + "\n")
+        f.writelines(json.dumps({"id": i, "text": t, **extra}) + "\n" for i, t in zip(ids, texts))
     return path
 
 
@@ -75,8 +74,14 @@ def tiny_model(tmp_path_factory, minilm_path) -> Path:
     """A small random BERT with all-MiniLM-L6-v2's tokenizer (a plain folder: mean pooling),
     for the runs where the model's cost does not matter (memory, many texts)."""
     path = tmp_path_factory.mktemp("tiny")
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37, max_position_embeddings=64)  # fmt: skip
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
     BertModel(config).save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(minilm_path / name, path / name)
@@ -143,9 +148,14 @@ def test_formats_and_dtype(tiny_model, tmp_path):
     assert main([str(tmp_path / "in.jsonl"), str(tmp_path / "j"), *flags]) == 0
     assert main([str(tmp_path / "in.jsonl"), str(tmp_path / "h"), *flags, "--dtype", "float16"]) == 0
     for name in ("in.csv", "in.tsv"):
-        assert main([str(tmp_path / name), str(tmp_path / name[3:]), *flags, "--id-column", "key", "--text-column", "body"]) == 0
+        assert (
+            main(
+                [str(tmp_path / name), str(tmp_path / name[3:]), *flags, "--id-column", "key", "--text-column", "body"]
+            )
+            == 0
+        )
     assert main([str(tmp_path / "in.txt"), str(tmp_path / "t"), *flags]) == 0
-    ids_j, j = read_embeddings(tmp_path / "j")
+    _, j = read_embeddings(tmp_path / "j")
     for out in ("csv", "tsv", "t"):
         got_ids, got = read_embeddings(tmp_path / out)
         np.testing.assert_array_equal(got, j)
@@ -174,7 +184,10 @@ BAD = {
     "empty": ("", "holds no texts"),
     "not json": ('{"id": 1, "text": "a"}\n{"id": 2, "text": \n', "line 2: not valid JSON"),
     "no text field": ('{"id": 1, "text": "a"}\n{"id": 2, "body": "b"}\n', "line 2: no text field 'text'"),
-    "duplicate ids": ('{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n{"id": 1, "text": "c"}\n', "id 1 appears on lines 1, 3"),
+    "duplicate ids": (
+        '{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n{"id": 1, "text": "c"}\n',
+        "id 1 appears on lines 1, 3",
+    ),
 }
 
 
@@ -237,8 +250,13 @@ def test_torchrun_equals_one_process(minilm_path, corpus, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run(_command(minilm_path, corpus, one, *FAST), env=_env(1), check=True, capture_output=True)
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "-m", "bert_port.cli.embed"]
-    done = subprocess.run([*torchrun, "--model", str(minilm_path), str(corpus), str(two), *FAST], env=_env(1),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [*torchrun, "--model", str(minilm_path), str(corpus), str(two), *FAST],
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert _files(one) == _files(two)
 
@@ -251,9 +269,13 @@ PEAK = (
 
 def _peak_kib(model, src, out) -> int:
     flags = ["--no-progress", "--shard-size", "500", "--sort-window", "250", "--batch-tokens", "2048"]
-    done = subprocess.run([sys.executable, "-c", PEAK, "--model", str(model), str(src), str(out), *flags],
-                          env={**_env(1), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, "--model", str(model), str(src), str(out), *flags],
+        env={**_env(1), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(done.stdout.split()[-1])
 
 

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("input", help="texts to embed: .jsonl, .csv, .tsv or .txt (one text per line)")
     p.add_argument("output", help="output folder (created if missing)")
-    p.add_argument("--model", required=True, help="sentence-transformers checkpoint folder, or a model id in the HF cache")
+    p.add_argument(
+        "--model", required=True, help="sentence-transformers checkpoint folder, or a model id in the HF cache"
+    )
     p.add_argument("--id-column", default="id", help="JSONL field or CSV/TSV column of the ids (default 'id')")
     p.add_argument("--text-column", default="text", help="field or column of the texts (default 'text')")
     p.add_argument("--pair-column", default=None, help="field or column of a second segment, if any")

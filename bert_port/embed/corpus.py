@@ -80,7 +80,9 @@ def _lines(path: Path, digest) -> Iterator[tuple[int, str]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise EmbedError(f"{path}, line {number}: not UTF-8 ({exc.reason}); re-save the file as UTF-8") from None
+                raise EmbedError(
+                    f"{path}, line {number}: not UTF-8 ({exc.reason}); re-save the file as UTF-8"
+                ) from None
             if number == 1:
                 text = text.removeprefix("\ufeff")  # the BOM spreadsheet exports add
             yield number, text.removesuffix("\n").removesuffix("\r")
@@ -112,7 +114,9 @@ def _jsonl(path: Path, columns: Columns, digest) -> Iterator[Record]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise EmbedError(f"{where}: not valid JSON ({exc.msg}); a .jsonl file holds one JSON object per line") from None
+            raise EmbedError(
+                f"{where}: not valid JSON ({exc.msg}); a .jsonl file holds one JSON object per line"
+            ) from None
         except RecursionError:
             raise EmbedError(f"{where}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
@@ -139,7 +143,9 @@ def _delimited(path: Path, columns: Columns, digest, delimiter: str) -> Iterator
         start = 2
         for row in reader:
             if None in row:
-                raise EmbedError(f"{path}, line {start}: more fields than the header; quote fields holding the delimiter")
+                raise EmbedError(
+                    f"{path}, line {start}: more fields than the header; quote fields holding the delimiter"
+                )
             pair = row[columns.pair] if columns.pair else None
             yield Record(start, row[columns.id], row[columns.text] or "", pair)
             start = reader.line_num + 1
@@ -218,4 +224,3 @@ def describe(columns: Columns, fmt: str) -> dict:
     if fmt == "text":
         return {"id": _LINE_IDS, "text": None, "pair": None}
     return {"id": columns.id, "text": columns.text, "pair": columns.pair}
-

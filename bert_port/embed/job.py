@@ -65,9 +65,12 @@ class Job:
 
 
 def _check_options(opts: Options, output: Path) -> None:
-    bad = [f"--{n.replace('_', '-')} must be at least 1, got {v}" for n, v in (
-        ("batch_tokens", opts.batch_tokens), ("sort_window", opts.sort_window), ("shard_size", opts.shard_size),
-    ) if not isinstance(v, int) or v < 1]  # fmt: skip
+    sizes = {"batch_tokens": opts.batch_tokens, "sort_window": opts.sort_window, "shard_size": opts.shard_size}
+    bad = [
+        f"--{n.replace('_', '-')} must be at least 1, got {v}"
+        for n, v in sizes.items()
+        if not isinstance(v, int) or v < 1
+    ]
     if opts.dtype not in DTYPES:
         bad.append(f"--dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
     if output.exists() and not output.is_dir():
@@ -88,10 +91,16 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def prepare(model: str | os.PathLike, input_path: str | os.PathLike, output: str | os.PathLike,
-            columns: Columns = Columns(), opts: Options = Options()) -> Job:  # fmt: skip
+def prepare(
+    model: str | os.PathLike,
+    input_path: str | os.PathLike,
+    output: str | os.PathLike,
+    columns: Columns | None = None,
+    opts: Options | None = None,
+) -> Job:
     """Check everything and load the encoder; nothing is written. Raises `EmbedError` (or the
     checkpoint's `CheckpointError`) with a one-line message."""
+    columns, opts = columns or Columns(), opts or Options()
     output = Path(output)
     _check_options(opts, output)
     input_format(Path(input_path))
@@ -207,8 +216,17 @@ def execute(job: Job) -> Summary:
         group.barrier()
         group.destroy_process_group()
     dim = len(job.encoder.pooling) * job.encoder.model.config.hidden_size
-    return Summary(job.found.count, dim, job.opts.dtype, job.n_shards, reused, tokens, truncated,
-                   job.output / store.TRUNCATED, time.perf_counter() - start)  # fmt: skip
+    return Summary(
+        job.found.count,
+        dim,
+        job.opts.dtype,
+        job.n_shards,
+        reused,
+        tokens,
+        truncated,
+        job.output / store.TRUNCATED,
+        time.perf_counter() - start,
+    )
 
 
 def _init_group(size: int):
@@ -222,7 +240,13 @@ def _init_group(size: int):
     return dist
 
 
-def embed_corpus(model, input_path, output, columns: Columns = Columns(), opts: Options = Options()) -> Summary:
+def embed_corpus(
+    model: str | os.PathLike,
+    input_path: str | os.PathLike,
+    output: str | os.PathLike,
+    columns: Columns | None = None,
+    opts: Options | None = None,
+) -> Summary:
     """Embed every text of `input_path` with the checkpoint `model`'s pipeline into the folder
     `output` (sharded safetensors, ids, index); resumes a run killed in the same folder."""
     return execute(prepare(model, input_path, output, columns, opts))

@@ -202,7 +202,9 @@ class Progress:
     def add(self, texts: int, tokens: int) -> None:
         self.texts, self.tokens = self.texts + texts, self.tokens + tokens
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.texts / elapsed:.0f} texts/s, {self.tokens / elapsed:.0f} tokens/s", refresh=False)
+        self.bar.set_postfix_str(
+            f"{self.texts / elapsed:.0f} texts/s, {self.tokens / elapsed:.0f} tokens/s", refresh=False
+        )
         self.bar.update(texts)
 
     def close(self) -> None:
@@ -234,5 +236,4 @@ def write_shard(directory: Path, k: int, embeddings: torch.Tensor, ids: list, me
 
 def world() -> tuple[int, int]:
     """(rank, world size) as torchrun sets them; (0, 1) for a plain process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
