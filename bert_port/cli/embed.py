@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="dtype of the stored embeddings")
     p.add_argument("--prompt", default=None, help="text prepended to every input, e.g. 'query: '")
     p.add_argument("--prompt-name", default=None, help="a prompt of the checkpoint's config_sentence_transformers.json")
-    p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:N' or 'auto'; under torchrun, cuda:LOCAL_RANK")
+    p.add_argument(
+        "--device", default="auto", help="'auto' (the GPU if any), 'cpu', 'cuda' or 'cuda:N'; torchrun: cuda:LOCAL_RANK"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace another run's embeddings in OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
