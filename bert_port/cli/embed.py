@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id-column", default="id", help="JSONL field or CSV/TSV column of the ids (default 'id')")
     p.add_argument("--text-column", default="text", help="field or column of the texts (default 'text')")
     p.add_argument("--pair-column", default=None, help="field or column of a second segment, if any")
-    p.add_argument("--batch-tokens", type=_positive_int, default=16384, help="padded tokens per forward pass")
+    p.add_argument(
+        "--batch-tokens", type=_positive_int, default=4096, help="padded tokens per forward pass (default 4096)"
+    )
     p.add_argument("--sort-window", type=_positive_int, default=4096, help="texts sorted by length together")
     p.add_argument("--shard-size", type=_positive_int, default=10000, help="texts per output file (default 10000)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="dtype of the stored embeddings")
@@ -90,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EmbedError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    summary = execute(job)
+    try:
+        summary = execute(job)
+    except OSError as exc:  # the machine, not the input (a full disk); finished shards are kept
+        print(f"error: cannot write {args.output}: {exc}; free space or fix permissions and rerun", file=sys.stderr)
+        return 1
     if world()[0] == 0:
         s = summary
         print(

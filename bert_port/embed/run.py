@@ -7,8 +7,8 @@ its own: its texts are tokenized once (the checkpoint's tokenizer, truncated to
 `SentenceEncoder.forward` (BERT, pooling, Normalize) and put back in input order. Because a
 shard's bits depend only on its own texts and these settings, a resumed run and a run split
 over torchrun ranks (rank r takes shards r, r + W, ...) write the same files as one
-uninterrupted process (with the same thread count: the matmul kernels may round differently
-with another).
+uninterrupted process. (Between runs with different thread counts this holds only as far as
+the matmul kernels split their work the same way; the tests compare runs with equal counts.)
 
 Shards are committed with their ids file in one `StagedWrite`, so a shard is there whole or
 not at all; a rerun skips the shards whose ids file carries this run's fingerprint.
@@ -43,7 +43,7 @@ class Options:
     """How to run: batching, sharding, output dtype, prompt, device, and what to do with a
     folder holding another run (`overwrite`)."""
 
-    batch_tokens: int = 16384  # padded tokens per forward pass
+    batch_tokens: int = 4096  # padded tokens per forward pass; larger batches spill the CPU caches
     sort_window: int = 4096  # texts sorted by length together (within a shard)
     shard_size: int = 10000  # texts per output file
     dtype: str = "float32"
