@@ -28,7 +28,7 @@ from .run import (
     Progress,
     ShardEmbedder,
     Summary,
-    _check_prompt_pooling,
+    check_prompt_pooling,
     resolve_prompt,
     run_settings,
     shards,
@@ -118,7 +118,7 @@ def prepare(
         )
     root = Path(model) if Path(model).is_dir() else Path(encoder.model.source_dir)
     prompt = resolve_prompt(root, opts.prompt, opts.prompt_name)
-    _check_prompt_pooling(root, prompt)
+    check_prompt_pooling(root, prompt)
     settings = run_settings(encoder, root, found, columns, prompt, opts)
     previous = store.read_index(output) if output.is_dir() else None
     if previous is not None and previous.get("run") != settings and not opts.overwrite:
@@ -201,6 +201,7 @@ def execute(job: Job) -> Summary:
     start = time.perf_counter()
     rank, size = world()
     job.output.mkdir(parents=True, exist_ok=True)
+    ckpt.recover(job.output)  # a shard commit killed after its commit point is finished, not redone
     if rank == 0 and (job.previous is None or job.previous.get("run") != job.settings):
         _write_json(job.output / store.INDEX, _index(job, False))
     group = _init_group(size)

@@ -95,7 +95,7 @@ def resolve_prompt(root: Path, prompt: str | None, prompt_name: str | None) -> s
     return prompts[name] or ""
 
 
-def _check_prompt_pooling(root: Path, prompt: str) -> None:
+def check_prompt_pooling(root: Path, prompt: str) -> None:
     """sentence-transformers can leave the prompt's tokens out of the mean (`include_prompt`
     false); SentenceEncoder pools every token, so such a checkpoint with a prompt is refused."""
     path = root / "1_Pooling" / "config.json"
