@@ -298,3 +298,29 @@ def test_peak_memory_flat(tiny_model, tmp_path):
         src = _jsonl(tmp_path / f"{n}.jsonl", texts, [f"t{i}" for i in range(n)])
         sizes[n] = _peak_kib(tiny_model, src, tmp_path / f"out{n}")
     assert sizes[20000] - sizes[2000] < 4 * 1024, sizes
+
+
+@pytest.mark.slow
+def test_ray_data_map_batches(minilm_path, encoder):
+    """`RayEmbedder` in `Dataset.map_batches` on a local Ray instance gives each row the
+    embedding `SentenceEncoder.encode` gives its text."""
+    ray = pytest.importorskip("ray")
+    from bert_port.embed.ray_data import RayEmbedder
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        items = [{"id": i, "text": t} for i, t in enumerate(TEXTS[:60])]
+        ds = ray.data.from_items(items).map_batches(
+            RayEmbedder,
+            fn_constructor_kwargs={"model": str(minilm_path), "batch_tokens": 1024},
+            batch_size=16,
+            batch_format="numpy",
+            concurrency=1,
+        )
+        rows = sorted(ds.take_all(), key=lambda row: row["id"])
+    finally:
+        ray.shutdown()
+    assert [r["id"] for r in rows] == list(range(60))
+    got = torch.from_numpy(np.stack([r["embedding"] for r in rows]))
+    torch.testing.assert_close(got, encoder.encode(TEXTS[:60]), **TOL[torch.float32])
+    assert not any(r["truncated"] for r in rows)
