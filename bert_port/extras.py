@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "sentence_transformers": ("bench", "the sentence-transformers reference"),
     "matplotlib": ("plot", "plots"),
     "tensorboard": ("tensorboard", "--report-to tensorboard"),
+    "ray": ("ray", "the Ray Data embedder (bert_port.embed.ray_data)"),
 }
 
 

@@ -201,7 +201,7 @@ def execute(job: Job) -> Summary:
     start = time.perf_counter()
     rank, size = world()
     job.output.mkdir(parents=True, exist_ok=True)
-    ckpt.recover(job.output)  # a shard commit killed after its commit point is finished, not redone
+    ckpt.tidy(job.output)  # a shard commit killed after its commit point is finished, not redone
     if rank == 0 and (job.previous is None or job.previous.get("run") != job.settings):
         _write_json(job.output / store.INDEX, _index(job, False))
     group = _init_group(size)

@@ -1,0 +1,8 @@
+"""`python scripts/embed.py ...` = `bert-port-embed ...`: embed a corpus into sharded files."""
+
+import sys
+
+from bert_port.cli.embed import main
+
+if __name__ == "__main__":
+    sys.exit(main())
