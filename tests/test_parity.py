@@ -159,7 +159,7 @@ def test_bad_checkpoint_exits_2_with_the_loaders_message(tmp_path, capsys, make,
     "argv, message",
     [
         (["--dtype", "float8"], "unknown dtype(s) float8"),
-        (["--batch-size", "0"], "must be at least 1"),
+        (["--batch-size", "0"], "must be a positive integer (at least 1)"),
         (["--atol", "-1"], "must be a number >= 0"),
         (["--json", "/nonexistent-dir/r.json"], "does not exist"),
     ],

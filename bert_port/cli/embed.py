@@ -17,15 +17,7 @@ import argparse
 import logging
 import sys
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (at least 1), got {value}")
-    return value
+from bert_port.cli import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-column", default="text", help="field or column of the texts (default 'text')")
     p.add_argument("--pair-column", default=None, help="field or column of a second segment, if any")
     p.add_argument(
-        "--batch-tokens", type=_positive_int, default=4096, help="padded tokens per forward pass (default 4096)"
+        "--batch-tokens", type=positive_int, default=4096, help="padded tokens per forward pass (default 4096)"
     )
-    p.add_argument("--sort-window", type=_positive_int, default=4096, help="texts sorted by length together")
-    p.add_argument("--shard-size", type=_positive_int, default=10000, help="texts per output file (default 10000)")
+    p.add_argument("--sort-window", type=positive_int, default=4096, help="texts sorted by length together")
+    p.add_argument("--shard-size", type=positive_int, default=10000, help="texts per output file (default 10000)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="dtype of the stored embeddings")
     p.add_argument("--prompt", default=None, help="text prepended to every input, e.g. 'query: '")
     p.add_argument("--prompt-name", default=None, help="a prompt of the checkpoint's config_sentence_transformers.json")

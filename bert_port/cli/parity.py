@@ -26,6 +26,7 @@ import torch
 
 from bert_port import parity
 from bert_port.checkpoint import CheckpointError
+from bert_port.cli import positive_int
 from bert_port.config import BertConfig, ConfigError
 from bert_port.parity.sources import (
     Source,
@@ -50,13 +51,6 @@ def _dtypes(text: str) -> list[torch.dtype]:
             "float32, bfloat16, float16"
         )
     return list(dict.fromkeys(parity.DTYPES[n] for n in names))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -112,7 +106,7 @@ def _input_arguments(p: argparse.ArgumentParser) -> None:
         help="UTF-8 file, one text per line, or two tab-separated segments for a sentence pair "
         "(default: built-in real sentences and pairs)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="texts per batch (default 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="texts per batch (default 8)")
     p.add_argument(
         "--max-length",
         type=int,

@@ -20,15 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (at least 1), got {value}")
-    return value
+from bert_port.cli import positive_int
 
 
 def _probability(text: str) -> float:
@@ -50,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="where to write predictions: .csv, .tsv or .jsonl")
     parser.add_argument("--text-column", default="text", help="column holding the text (default 'text')")
     parser.add_argument("--text-pair-column", default=None, help="column holding the second segment, if any")
-    parser.add_argument("--batch-size", type=_positive_int, default=64, help="texts per forward pass (default 64)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
     parser.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="tokens per text (default: the max_length the model was trained with, else 128)",
     )

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data import parse_json_line
+
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "text"}
 _LINE_IDS = "line"  # the id column of plain text: ids are line numbers
 
@@ -111,16 +113,7 @@ def _jsonl(path: Path, columns: Columns, digest) -> Iterator[Record]:
         if not line.strip():
             continue
         where = f"{path}, line {number}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EmbedError(
-                f"{where}: not valid JSON ({exc.msg}); a .jsonl file holds one JSON object per line"
-            ) from None
-        except RecursionError:
-            raise EmbedError(f"{where}: JSON nested too deeply to read") from None
-        if not isinstance(obj, dict):
-            raise EmbedError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        obj = parse_json_line(line, where, EmbedError)
         pair = _field(obj, columns.pair, "pair", where) if columns.pair else None
         yield Record(number, _field(obj, columns.id, "id", where), _field(obj, columns.text, "text", where), pair)
 
