@@ -127,8 +127,10 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     assert "ctranslate2: not installed (ctranslate2): pip install 'bert-port[bench]'" in table
     assert "| port |" in table and "| transformers (sdpa), fp32 |" in table and "Machine:" in table
     rows = json.loads(js.read_text())["real"]["fp32"]["rows"]
-    assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)"}
+    invariance_off = "port, batch_invariant=False"  # what batch invariance costs, timed in the same run
+    assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)", invariance_off}
     assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0
+    assert "port vs port, batch_invariant=False: " in table
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the child's /proc/PID/maps")
