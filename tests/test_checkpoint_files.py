@@ -1,4 +1,4 @@
-"""Checkpoint files (`bert_port.checkpoint.files`): the round trip through Hugging Face format
+"""Checkpoint files (`bert_port.checkpoint`'s reading, staging and shards): the round trip through Hugging Face format
 (save_pretrained -> transformers and back, bit for bit), sharding, config and tokenizer
 files, interrupted saves, `bert-port-convert`, and the NaN/Inf check of mapped weights."""
 
