@@ -5,6 +5,7 @@ Hugging Face cache, found through huggingface_hub and never over the network.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,15 +169,17 @@ def _weights_in(folder: Path, asked: str, cached: bool) -> Path:
     fix = "The download is incomplete: download the model again" if cached else "Copy the weights file again"
     for name in WEIGHT_NAMES:
         candidate = folder / name
-        if candidate.is_file():
-            return candidate
-        if candidate.is_symlink() or candidate.exists():
-            what = (
-                "a link to a file that does not exist"
-                if candidate.is_symlink() and not candidate.exists()
-                else ("not a regular file")
-            )
-            raise CheckpointError(f"{where}: {name} is {what}, so the weights cannot be read. {fix}")
+        # One stat per name: a save renaming files meanwhile (loads locate once outside the
+        # folder's lock, to find it) must not make a file look like something else.
+        try:
+            if stat.S_ISREG(os.stat(candidate).st_mode):
+                return candidate
+            what = "not a regular file"
+        except FileNotFoundError:
+            if not candidate.is_symlink():
+                continue
+            what = "a link to a file that does not exist"
+        raise CheckpointError(f"{where}: {name} is {what}, so the weights cannot be read. {fix}")
     present = sorted(x.name for x in folder.iterdir())[:20]
     raise CheckpointError(
         f"{where} holds no weights: expected one of {', '.join(WEIGHT_NAMES)}; found {present}."
