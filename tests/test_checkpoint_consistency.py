@@ -129,6 +129,20 @@ def test_a_planted_journal_is_not_obeyed_by_a_load(tmp_path):
     assert (tmp_path / tmp).is_file() and not (tmp_path / ckpt.JOURNAL).exists()
 
 
+def _old_then_new_killed_after_the_commit_point(folder: Path, monkeypatch) -> None:
+    """The old save in `folder`, then the new one stopped right after its journal lands (as
+    SIGKILL would stop it): the folder is half old, half new, with a live journal."""
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(folder)
+
+    def stop(*args, **kwargs):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
+    with pytest.raises(SystemExit):
+        BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(folder)
+    monkeypatch.undo()
+
+
 def test_a_foreign_save_after_a_killed_port_save_is_kept(tmp_path, monkeypatch):
     """Port save killed after its commit point, then transformers saves into the folder: our
     load reads transformers' save and writes nothing; repair keeps its files (removing only our
@@ -137,15 +151,7 @@ def test_a_foreign_save_after_a_killed_port_save_is_kept(tmp_path, monkeypatch):
 
     from bert_port.reference import random_hf_model
 
-    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
-
-    def stop(*args, **kwargs):
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
-    with pytest.raises(SystemExit):
-        BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(tmp_path)
-    monkeypatch.undo()
+    _old_then_new_killed_after_the_commit_point(tmp_path, monkeypatch)
     ours = sorted(p.name for p in tmp_path.iterdir() if ckpt.TEMPORARY.fullmatch(p.name))
     assert ours, "the killed save left its staged files"
 
@@ -193,15 +199,7 @@ def test_convert_repair_finishes_a_killed_save_and_needs_dir_alone(tmp_path, mon
     after which the folder loads; with SRC/DST as well, or with nothing, it is a usage error."""
     from bert_port.cli.convert import main as convert_main
 
-    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
-
-    def stop(*args, **kwargs):
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(ckpt.staging, "_apply_journal", stop)
-    with pytest.raises(SystemExit):
-        BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(tmp_path)
-    monkeypatch.undo()
+    _old_then_new_killed_after_the_commit_point(tmp_path, monkeypatch)
     with pytest.raises(ckpt.CheckpointError, match=f"{ckpt.REPAIR_COMMAND} {tmp_path}"):
         BertModel.from_pretrained(tmp_path)
     assert convert_main(["--repair", str(tmp_path)]) == 0
