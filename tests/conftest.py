@@ -252,3 +252,14 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, attn: str) -> None
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(keep, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+
+
+def tiny_checkpoint(directory: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random BERT (TINY with the real 30522-token vocabulary, seed 0, dropout on) saved
+    into `directory` with the tokenizer files of `tokenizer_dir`: the fine-tuning tests' model."""
+    from bert_port import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig.from_dict({**TINY, "vocab_size": 30522}))
+    model.source_dir = tokenizer_dir
+    return model.save_pretrained(directory)

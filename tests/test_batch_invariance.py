@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, finetune_args, run_finetune
+from conftest import finetune_args, run_finetune, tiny_checkpoint
 
-from bert_port import BertConfig, BertModel, SentenceEncoder, encode, load_tokenizer
+from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
 from bert_port.classifier import BertForSequenceClassification
 from bert_port.data import builtin_splits, load_mr, write_texts
 from bert_port.heads import BertForMaskedLM, BertForTokenClassification
@@ -143,11 +143,7 @@ def test_predict_writes_the_same_bytes_for_every_batch_size(tmp_path, minilm_pat
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory, minilm_path) -> Path:
-    config = {**TINY, "vocab_size": 30522}
-    torch.manual_seed(0)
-    model = BertModel(BertConfig.from_dict(config))
-    model.source_dir = minilm_path
-    return model.save_pretrained(tmp_path_factory.mktemp("tiny"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), minilm_path)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, finetune_args, load_last, metrics_of, run_finetune
+from conftest import TINY, finetune_args, load_last, metrics_of, run_finetune, tiny_checkpoint
 
 from bert_port import BertConfig, BertModel
 from bert_port.cli import finetune as finetune_cli
@@ -27,11 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, minilm_path) -> Path:
     """A tiny random BERT (dropout on: the restored RNG state matters on resume)."""
-    config = {**TINY, "vocab_size": 30522}
-    torch.manual_seed(0)
-    model = BertModel(BertConfig.from_dict(config))
-    model.source_dir = minilm_path
-    return model.save_pretrained(tmp_path_factory.mktemp("tiny"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), minilm_path)
 
 
 @pytest.fixture(scope="module")
