@@ -2,10 +2,17 @@
 
 from .base_bert import BertPreTrainedModel
 from .bert import BertLayer, BertModel, BertSelfAttention
+from .cache import KVCache
 from .checkpoint import CheckpointError
 from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
-from .heads import BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering, BertForTokenClassification
+from .heads import (
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForTokenClassification,
+    BertLMHeadModel,
+)
 from .outputs import ModelOutput
 from .packing import Packing
 from .sentence import SentenceEncoder
@@ -20,12 +27,14 @@ __all__ = [
     "BertForQuestionAnswering",
     "BertForSequenceClassification",
     "BertForTokenClassification",
+    "BertLMHeadModel",
     "BertLayer",
     "BertModel",
     "BertPreTrainedModel",
     "BertSelfAttention",
     "CheckpointError",
     "ConfigError",
+    "KVCache",
     "ModelOutput",
     "Packing",
     "SentenceEncoder",

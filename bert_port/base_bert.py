@@ -153,7 +153,8 @@ class BertPreTrainedModel(nn.Module):
     ) -> nn.Embedding:
         """Grow or shrink the vocabulary to `new_num_tokens` (rounded up to a multiple of
         `pad_to_multiple_of`), as transformers does: existing rows are kept, `config.vocab_size`
-        follows, tied output embeddings (the MLM decoder and its bias) are resized with it.
+        follows, the output embeddings (the MLM decoder and its bias) are resized with it: the
+        same parameter when tied, their own rows when `config.tie_word_embeddings` is False.
 
         New rows: with `mean_resizing` the mean of the old rows (new output-bias entries are
         zero, as transformers 5 leaves them for a tied decoder). transformers samples them from
@@ -185,13 +186,14 @@ class BertPreTrainedModel(nn.Module):
             embedding.num_embeddings = new_num
             if embedding.padding_idx is not None and embedding.padding_idx >= new_num:
                 embedding.padding_idx = None
-            self._resize_output_bias(new_num, mean_resizing)
+            self._resize_output_embeddings(new_num, mean_resizing)
         self.config.vocab_size = new_num
         self.tie_weights()
         return embedding
 
-    def _resize_output_bias(self, new_num: int, mean_resizing: bool) -> None:
-        """Resize the output layer's own bias (tied models): overridden by the MLM heads."""
+    def _resize_output_embeddings(self, new_num: int, mean_resizing: bool) -> None:
+        """Resize what the output layer holds beside the input embedding (its bias; an untied
+        decoder's weight): overridden by the MLM heads."""
 
     def _resized(self, weight: Tensor, new_num: int, mean_resizing: bool, init: nn.Module | None = None) -> Tensor:
         """`weight` (V, ...) with its first `new_num` rows kept and any new row initialised."""

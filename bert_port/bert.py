@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import packed_attention, sdpa_attention, varlen_attention, varlen_supported
 from .base_bert import BertPreTrainedModel
+from .cache import KVCache, LayerCache
 from .config import BertConfig
 from .outputs import ModelOutput
 from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
@@ -46,10 +47,15 @@ def batch_invariant(config: BertConfig) -> bool:
 
 
 def prepare_mask(
-    config: BertConfig, attention_mask: Tensor | None, hidden_states: Tensor, output_attentions: bool = False
+    config: BertConfig,
+    attention_mask: Tensor | None,
+    hidden_states: Tensor,
+    output_attentions: bool = False,
+    past_length: int = 0,
 ) -> Tensor | None:
     """The 4-D mask the attention of (B, T, H) `hidden_states` uses: boolean for SDPA,
-    additive for eager (which `output_attentions` runs), causal for a decoder."""
+    additive for eager (which `output_attentions` runs), causal for a decoder, over the
+    `past_length` cached positions and the T new ones."""
     return get_extended_attention_mask(
         attention_mask,
         hidden_states.dtype,
@@ -57,6 +63,7 @@ def prepare_mask(
         causal=config.is_decoder,
         as_bool=config.attn_implementation != "eager" and not output_attentions,
         device=hidden_states.device,
+        past_length=past_length,
     )
 
 
@@ -123,9 +130,12 @@ class BertSelfAttention(nn.Module):
         attention_mask: Tensor | None = None,
         output_attentions: bool = False,
         packing: Packing | None = None,
+        cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Padded (B, T, H) -> context (B, T, H), and the probabilities (B, nh, T, T) when
-        asked for; or, with `packing`, packed real-token rows (N, H) -> (N, H).
+        asked for; or, with `packing`, packed real-token rows (N, H) -> (N, H). With `cache`
+        (a decoder generating), the T new queries attend to the P cached keys and values and
+        their own, which the cache keeps: probabilities (B, nh, T, P + T).
 
         `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive;
         packed rows take theirs from the packing instead. SDPA does not expose
@@ -147,6 +157,8 @@ class BertSelfAttention(nn.Module):
         query_layer = self.transform(hidden_states, self.query)  # (B, nh, T, hs)
         key_layer = self.transform(hidden_states, self.key)
         value_layer = self.transform(hidden_states, self.value)
+        if cache is not None:
+            key_layer, value_layer = cache.update(key_layer, value_layer)  # (B, nh, P + T, hs)
         if implementation != "eager" and not output_attentions:
             is_causal = self.is_causal and attention_mask is None and query_layer.shape[2] > 1
             context = sdpa_attention(
@@ -193,17 +205,20 @@ class BertLayer(nn.Module):
         attention_mask: Tensor | None = None,
         output_attentions: bool = False,
         packing: Packing | None = None,
+        cache: LayerCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """(B, T, H) -> (B, T, H), or with `packing` real-token rows (N, H) -> (N, H); with
-        `output_attentions` (padded only), also the (B, nh, T, T) probabilities.
+        `output_attentions` (padded only), also the (B, nh, T, T) probabilities. `cache`: this
+        layer's keys and values of earlier steps (decoder generation), extended in place.
 
         `attention_mask`: None, a 2-D (B, T) 0/1 padding mask, a 3-D (B, T, T) per-query
         mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
         if packing is None and (attention_mask is None or attention_mask.dim() < 4):
-            attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
-        attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing)
+            past = cache.length if cache is not None else 0
+            attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
+        attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing, cache)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
         )
@@ -243,14 +258,16 @@ class BertModel(BertPreTrainedModel):
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        past_length: int = 0,
     ) -> Tensor:
-        """Word + token-type + position embeddings, layer-normed: (B, T, H)."""
+        """Word + token-type + position embeddings, layer-normed: (B, T, H). Positions default
+        to P..P+T-1 after `past_length` (P) cached ones."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embedding(input_ids)
         B, T = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         if position_ids is None:
-            position_ids = torch.arange(T, device=device)[None]  # (1, T)
+            position_ids = torch.arange(past_length, past_length + T, device=device)[None]  # (1, T)
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
         # Same additions in the same order as HF: (words + types) + positions.
@@ -264,9 +281,11 @@ class BertModel(BertPreTrainedModel):
         attention_mask: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        cache: KVCache | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
         """Run every layer: (B, T, H) -> (B, T, H). Also returns, when asked for, all hidden
-        states (embeddings first) and all attention probabilities.
+        states (embeddings first) and all attention probabilities. A decoder's `cache` gives
+        each layer the keys and values of the earlier steps and takes this step's.
 
         When `packing_for` allows it (the default: SDPA or varlen attention, a 2-D mask or none),
         the layers run on the N real tokens only (with filler rows up to `MIN_GEMM_ROWS`, which
@@ -282,19 +301,21 @@ class BertModel(BertPreTrainedModel):
                 hidden_states, packing = with_filler(hidden_states, packing)  # (N + F, H)
             extended_mask = None  # packed rows attend within their own sequence (`packing`)
         else:
-            extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions)
+            past = cache.get_seq_length() if cache is not None else 0
+            extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
-        for layer in self.bert_layers:
+        for i, layer in enumerate(self.bert_layers):
+            layer_cache = cache.layers[i] if cache is not None else None
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # gradient_checkpointing_enable(): keep only the layer's input, recompute the rest
                 # in backward (non-reentrant: restores the RNG, so dropout masks are the same).
                 layer = functools.partial(checkpoint, layer, use_reentrant=False)
             if output_attentions:  # never packed: only eager attention gives probabilities
-                hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True)
+                hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True, cache=layer_cache)
                 all_attn.append(probs)
             else:
-                hidden_states = layer(hidden_states, extended_mask, packing=packing)
+                hidden_states = layer(hidden_states, extended_mask, packing=packing, cache=layer_cache)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
         if packing is not None:
@@ -341,18 +362,24 @@ class BertModel(BertPreTrainedModel):
         output_attentions: bool = False,
         return_dict: bool | None = None,
         use_cache: bool | None = None,
+        cache: KVCache | None = None,
     ) -> ModelOutput | tuple[Tensor, ...]:
         """`input_ids` (B, T) or `inputs_embeds` (B, T, H), exactly one.
 
         `attention_mask`: (B, T) 1/0 (int, float or bool), (B, T, T), or a prepared 4-D
         mask. `token_type_ids` default to zeros, `position_ids` to 0..T-1.
         `return_dict=False` returns the outputs that are not None as a tuple, as transformers
-        does; `use_cache` is accepted and ignored (an encoder keeps no cache).
+        does. A decoder (`config.is_decoder`) given `cache` (a `KVCache`), or `use_cache=True`
+        for a new one, runs only the T new tokens after the P cached ones (positions P..P+T-1,
+        a 2-D mask covering all P + T) and returns the extended cache as `cache`. An encoder
+        ignores `use_cache`, as transformers does; without either, nothing is cached.
         """
-        check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        embedding_output = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
+        cache = self._cache_for(cache, use_cache)
+        past = cache.get_seq_length() if cache is not None else 0
+        check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past)
+        embedding_output = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds, past)
         sequence_output, hidden_states, attentions = self.encode(
-            embedding_output, attention_mask, output_hidden_states, output_attentions
+            embedding_output, attention_mask, output_hidden_states, output_attentions, cache
         )
         pooled = None
         if self.add_pooling_layer:
@@ -363,4 +390,22 @@ class BertModel(BertPreTrainedModel):
             hidden_states=hidden_states,
             attentions=attentions,
         )
+        if cache is not None:
+            out["cache"] = cache
         return out.returned(return_dict)
+
+    def _cache_for(self, cache: KVCache | None, use_cache: bool | None) -> KVCache | None:
+        """The cache a forward fills: the one given, a new one for `use_cache=True` on a decoder."""
+        if cache is not None and not self.config.is_decoder:
+            raise ValueError(
+                "a KV cache needs causal self-attention: this model's config has is_decoder=False, so every "
+                "token attends to later ones and cached keys would be stale; set is_decoder=True"
+            )
+        if cache is not None and len(cache) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"the KV cache has {len(cache)} layers, the model {self.config.num_hidden_layers}; "
+                "pass KVCache(model.config.num_hidden_layers), or use_cache=True for a new one"
+            )
+        if cache is None and use_cache and self.config.is_decoder:
+            cache = KVCache(self.config.num_hidden_layers)
+        return cache

@@ -128,6 +128,7 @@ class BertConfig:
     position_embedding_type: str = "absolute"  # only "absolute" is supported
     is_decoder: bool = False  # causal self-attention when True
     add_cross_attention: bool = False  # not supported; must stay False
+    tie_word_embeddings: bool = True  # MLM/LM decoder weight is the word embedding; False: its own
     classifier_dropout: float | None = None  # head dropout; None -> hidden_dropout_prob
     # Sequence classification (HF keeps these on every PreTrainedConfig).
     id2label: dict[int, str] | None = None
@@ -205,7 +206,7 @@ class BertConfig:
             problems.append(f"initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
         problems += [
             f"{name} must be true or false, got {getattr(self, name)!r}"
-            for name in ("is_decoder", "add_cross_attention")
+            for name in ("is_decoder", "add_cross_attention", "tie_word_embeddings")
             if not isinstance(getattr(self, name), bool)
         ]
         problems += [
@@ -233,7 +234,7 @@ class BertConfig:
         if self.add_cross_attention is True:
             problems.append(
                 "add_cross_attention=True is not supported: this port implements the BERT encoder and "
-                "causal decoder without cross-attention or KV cache"
+                "causal decoder without cross-attention (an encoder-decoder model)"
             )
         return problems
 
@@ -300,6 +301,9 @@ class BertConfig:
             value = getattr(self, f.name)
             # None unless the model is a classifier: written only when the config.json read had them.
             if value is None and f.name in ("id2label", "label2id", "problem_type") and f.name not in read:
+                continue
+            # The default (tied), which most config.json files leave out: written when read or untied.
+            if f.name == "tie_word_embeddings" and value is True and f.name not in read:
                 continue
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}

@@ -1,26 +1,35 @@
 """Task heads on the one `BertModel` body: masked LM, pretraining (MLM + next sentence),
-token classification and extractive question answering, as transformers defines them.
+causal LM, token classification and extractive question answering, as transformers
+defines them.
 
 Each model holds its encoder as `self.bert` (port names below it, HF's `bert.<name>` in
 checkpoints) and its head under transformers' own module names (`cls.predictions.*`,
 `cls.seq_relationship.*`, `classifier.*`, `qa_outputs.*`), so head keys read and write
 unchanged. The MLM decoder is tied to the word embedding, as in transformers: it is neither
-read from nor written to checkpoints, only tied.
+read from nor written to checkpoints, only tied. With `config.tie_word_embeddings=False`
+nothing is tied (transformers 5 then ties neither the weight nor the decoder's bias): the
+decoder has its own weight and bias, and checkpoints hold them beside `cls.predictions.bias`.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import generation
 from .base_bert import BertPreTrainedModel
 from .bert import BertModel, batch_invariant
+from .cache import KVCache
 from .config import BertConfig
 from .outputs import ModelOutput
 from .packing import linear_rows
 from .problem import IGNORE_INDEX
 from .utils import get_activation
+
+log = logging.getLogger(__name__)
 
 # The tied MLM decoder, in port names: target -> source (see BertPreTrainedModel.tied_weights).
 MLM_TIED = {
@@ -107,21 +116,36 @@ class _BertWithHead(BertPreTrainedModel):
 
 
 class _TiedMLM(_BertWithHead):
-    """The MLM decoder tied to the word embedding (BertForMaskedLM, BertForPreTraining)."""
+    """The MLM decoder (BertForMaskedLM, BertForPreTraining, BertLMHeadModel), tied to the word
+    embedding unless `config.tie_word_embeddings` is False."""
 
-    tied_weights = MLM_TIED
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        # Read from the config at each use, as transformers recomputes its mapping from it.
+        return MLM_TIED if self.config.tie_word_embeddings else {}
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.cls.predictions.decoder
 
-    def _resize_output_bias(self, new_num: int, mean_resizing: bool) -> None:
+    def _resize_output_embeddings(self, new_num: int, mean_resizing: bool) -> None:
         predictions = self.cls.predictions
         with torch.no_grad():
             # New tokens' output bias is zero, whatever `mean_resizing` says: what transformers 5
             # gives its tied decoder (its bias follows the resized decoder, not the mean).
             bias = self._resized(predictions.bias, new_num, mean_resizing=False)
         predictions.bias = nn.Parameter(bias, requires_grad=predictions.bias.requires_grad)
-        predictions.decoder.out_features = new_num
+        decoder = predictions.decoder
+        decoder.out_features = new_num
+        if self.tied_weights:
+            return  # the weight is the embedding's, the bias `predictions.bias`: tie_weights() follows
+        # Untied, the decoder's own rows are resized as transformers resizes an lm_head: new rows
+        # and new bias entries the old ones' mean (transformers draws them around it, with a
+        # spread of 1e-9 of the old ones': see BertPreTrainedModel.resize_token_embeddings).
+        with torch.no_grad():
+            weight = self._resized(decoder.weight, new_num, mean_resizing)
+            decoder_bias = self._resized(decoder.bias, new_num, mean_resizing)
+        decoder.weight = nn.Parameter(weight, requires_grad=decoder.weight.requires_grad)
+        decoder.bias = nn.Parameter(decoder_bias, requires_grad=decoder.bias.requires_grad)
 
 
 class BertForMaskedLM(_TiedMLM):
@@ -210,6 +234,81 @@ class BertForPreTraining(_TiedMLM):
             loss=loss,
             prediction_logits=prediction_logits,
             seq_relationship_logits=seq_relationship_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return out.returned(return_dict)
+
+
+def _causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Next-token cross-entropy as transformers' `ForCausalLMLoss` computes it: in fp32, the
+    labels shifted one to the left (the logits at t are scored against `labels[t + 1]`, the
+    last position against nothing), -100 left out, the mean over the rest."""
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    return F.cross_entropy(
+        logits.float().view(-1, logits.shape[-1]), shifted.view(-1).to(logits.device), ignore_index=IGNORE_INDEX
+    )
+
+
+class BertLMHeadModel(_TiedMLM):
+    """BERT as a causal language model, as transformers' `BertLMHeadModel`: the body with
+    `config.is_decoder=True` (each token attends to itself and those before it) under the MLM
+    prediction head. `forward` returns `logits` (B, T, vocab) and, given `labels` (B, T),
+    `loss`, the next-token cross-entropy (`labels` are the inputs themselves, not shifted;
+    -100 where no loss). `generate` continues prompts on a `KVCache` (generation.py)."""
+
+    hf_head_prefixes = ("cls.predictions.",)
+    keys_to_init_if_missing = ("cls.predictions.",)  # e.g. an encoder checkpoint turned decoder
+    generate = generation.generate
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        if not config.is_decoder:
+            log.warning(
+                "BertLMHeadModel with is_decoder=False attends both ways; set is_decoder=True to use it as a LM"
+            )
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self._init_head(self.cls)
+        self.tie_weights()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        cache: KVCache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        return_dict: bool | None = None,
+    ) -> ModelOutput | tuple:
+        """Inputs as for `BertModel.forward`, `cache` and `use_cache` included (the extended
+        cache comes back as `cache`; with `labels`, `use_cache` is off, as in transformers).
+        `logits_to_keep` N > 0 runs the head on the last N positions only (generation needs
+        one); 0 keeps all."""
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            use_cache=use_cache if labels is None else False,
+            cache=cache,
+        )
+        hidden = outputs.last_hidden_state
+        logits = self.cls(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden)  # (B, T or N, vocab)
+        loss = _causal_lm_loss(logits, labels) if labels is not None else None
+        out = ModelOutput(
+            loss=loss,
+            logits=logits,
+            cache=outputs.get("cache"),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -63,6 +63,7 @@ def get_extended_attention_mask(
     causal: bool = False,
     as_bool: bool = False,
     device: torch.device | None = None,
+    past_length: int = 0,
 ) -> Tensor | None:
     """Turn a user mask into the 4-D mask the attention adds (eager) or selects with (SDPA),
     following transformers 5 (`masking_utils.create_bidirectional_mask` / `create_causal_mask`).
@@ -85,13 +86,21 @@ def get_extended_attention_mask(
     bidirectional padding; broadcasting gives the same sums): boolean when `as_bool`, else
     additive, 0 where attended and `finfo(dtype).min` where not, never -inf, so a fully masked
     row stays finite (uniform attention, as transformers' eager path gives).
+
+    `past_length` (a decoder running on a `KVCache`): the T queries follow that many cached
+    positions, so the keys are P + T long: a 2-D mask is (B, P + T), a 3-D one (B, T, P + T),
+    and the causal pattern is shifted by P. SDPA's `is_causal` aligns the triangle to the top
+    left, which is wrong with a past, so several new tokens on a past get an explicit mask.
     """
     if attention_mask is not None and device is not None:
         attention_mask = attention_mask.to(device)
     if attention_mask is not None and attention_mask.dim() == 4:
         return _check_prepared_mask(attention_mask, dtype)
+    # Without a mask SDPA does causal attention itself: is_causal=True, or one query on a past.
+    sdpa_causal = as_bool and (past_length == 0 or seq_len == 1)
+    kv_len = past_length + seq_len
     if attention_mask is None:
-        if not causal or as_bool:
+        if not causal or sdpa_causal:
             return None  # nothing to mask, or plain causal, which SDPA does with is_causal=True
         keep = None
     elif attention_mask.dim() == 2:
@@ -99,18 +108,19 @@ def get_extended_attention_mask(
         # No padding: transformers skips the mask too (but always builds its eager causal one).
         # Not while tracing (torch.export, torch.compile): the test is a data-dependent branch,
         # and an all-True mask gives the same attention.
-        if (not causal or as_bool) and not torch.compiler.is_compiling() and bool(keep.all()):
+        if (not causal or sdpa_causal) and not torch.compiler.is_compiling() and bool(keep.all()):
             return None
-        keep = keep[:, None, None, :]  # (B, 1, 1, T)
+        keep = keep[:, None, None, :]  # (B, 1, 1, P + T)
     else:
-        keep = attention_mask.bool()[:, None, :, :]  # (B, 1, T, T)
+        keep = attention_mask.bool()[:, None, :, :]  # (B, 1, T, P + T)
 
     if causal:
-        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device if keep is None else keep.device)
-        keep = tri.tril()[None, None] if keep is None else keep & tri.tril()  # (B or 1, 1, T, T)
+        tri = torch.ones(seq_len, kv_len, dtype=torch.bool, device=device if keep is None else keep.device)
+        tri = tri.tril(diagonal=past_length)  # query i sees the past and new tokens up to itself
+        keep = tri[None, None] if keep is None else keep & tri  # (B or 1, 1, T, P + T)
     if as_bool:
-        # A view with transformers' (B, 1, T, T) shape, so SDPA sees the same mask layout.
-        return keep.expand(keep.shape[0], 1, seq_len, seq_len)
+        # A view with transformers' (B, 1, T, P + T) shape, so SDPA sees the same mask layout.
+        return keep.expand(keep.shape[0], 1, seq_len, kv_len)
     return additive_mask(keep, dtype)
 
 

@@ -16,8 +16,11 @@ def check_inputs(
     token_type_ids: Tensor | None,
     position_ids: Tensor | None,
     inputs_embeds: Tensor | None,
+    past_length: int = 0,
 ) -> None:
-    """Raise `ValueError` for input `BertModel.forward` cannot run correctly.
+    """Raise `ValueError` for input `BertModel.forward` cannot run correctly. `past_length`:
+    the positions a `KVCache` already holds, which the new tokens follow (and a 2-D
+    `attention_mask` covers too).
 
     Shapes and dtypes are always checked. The id ranges and the finiteness of `inputs_embeds`
     need the values on the host (a device sync), which `torch.export` and `torch.compile`
@@ -29,9 +32,10 @@ def check_inputs(
     B, T = _input_shape(config, input_ids, inputs_embeds)
     if input_ids is not None:
         _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
-    if position_ids is None and T > config.max_position_embeddings:
+    if position_ids is None and past_length + T > config.max_position_embeddings:
+        cached = f" after {past_length} cached positions" if past_length else ""
         raise ValueError(
-            f"sequence length {T} exceeds max_position_embeddings={config.max_position_embeddings}; "
+            f"sequence length {T}{cached} exceeds max_position_embeddings={config.max_position_embeddings}; "
             f"truncate the input (e.g. tokenizer truncation to {config.max_position_embeddings})"
         )
     if position_ids is not None:
@@ -43,7 +47,7 @@ def check_inputs(
             raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {(B, T)}")
         _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
     if attention_mask is not None:
-        _check_mask(attention_mask, B, T)
+        _check_mask(attention_mask, B, T, past_length)
 
 
 def _input_shape(config: BertConfig, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
@@ -82,18 +86,20 @@ def _check_finite(inputs_embeds: Tensor) -> None:
         )
 
 
-def _check_mask(attention_mask: Tensor, B: int, T: int) -> None:
-    ok = {2: (B, T), 3: (B, T, T)}.get(attention_mask.dim())
+def _check_mask(attention_mask: Tensor, B: int, T: int, past_length: int = 0) -> None:
+    K = past_length + T  # keys: the cached positions and the new ones
+    ok = {2: (B, K), 3: (B, T, K)}.get(attention_mask.dim())
+    cached = f" ({past_length} cached positions + {T} new)" if past_length else ""
     if attention_mask.dim() == 4:
-        ok_4d = attention_mask.shape[-2:] == (T, T) and attention_mask.shape[0] in (1, B)
+        ok_4d = attention_mask.shape[-2:] == (T, K) and attention_mask.shape[0] in (1, B)
         if not ok_4d:
             raise ValueError(
-                f"4-D attention_mask must be (batch, 1 or heads, {T}, {T}), got {tuple(attention_mask.shape)}"
+                f"4-D attention_mask must be (batch, 1 or heads, {T}, {K}){cached}, got {tuple(attention_mask.shape)}"
             )
     elif tuple(attention_mask.shape) != ok:
         raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} does not match the input: expected "
-            f"({B}, {T}) (1 = token, 0 = padding) or ({B}, {T}, {T})"
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match the input{cached}: expected "
+            f"({B}, {K}) (1 = token, 0 = padding) or ({B}, {T}, {K})"
         )
 
 

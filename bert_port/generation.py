@@ -1,0 +1,181 @@
+"""Text generation for `BertLMHeadModel`: greedy decoding and sampling (temperature, top-k,
+top-p), step by step on a `KVCache`, as transformers' `GenerationMixin.generate` does it.
+
+Each step runs the model on the new token only (the prompt on the first step), the cache
+holding every earlier position's keys and values; `use_cache=False` reruns the whole sequence
+each step instead, the reference the cache is checked against. Left-padded prompts get
+transformers' positions: each row counts from its first real token (the attention mask's
+cumulative sum), and the pads are masked out of every step. The filters follow transformers'
+logits processors (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper` with
+`min_tokens_to_keep=1`) operation for operation.
+
+Shapes: B batch, T prompt length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+
+if TYPE_CHECKING:
+    from .heads import BertLMHeadModel
+
+
+def top_k_filter(scores: Tensor, top_k: int) -> Tensor:
+    """(B, V) scores with all but the `top_k` highest set to -inf (ties at the k-th kept), as
+    transformers' `TopKLogitsWarper`."""
+    top_k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, top_k)[0][..., -1, None]
+    return scores.masked_fill(scores < kth, -float("inf"))
+
+
+def top_p_filter(scores: Tensor, top_p: float) -> Tensor:
+    """(B, V) scores keeping the smallest set of highest-probability tokens whose probabilities
+    add up to more than `top_p` (at least one), the rest -inf, as transformers'
+    `TopPLogitsWarper`: sorted ascending, a token goes when the mass up to and including it is
+    at most 1 - top_p."""
+    sorted_scores, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False  # min_tokens_to_keep=1: the most probable token stays
+    remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+    return scores.masked_fill(remove, -float("inf"))
+
+
+def next_tokens(
+    logits: Tensor,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """The next token of each row from its (B, V) fp32 logits: the argmax, or with `do_sample`
+    a draw from the softmax of the logits divided by `temperature` and filtered by `top_k`
+    and `top_p`, in transformers' order, from `generator` (torch's global RNG when None)."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits / temperature if temperature != 1.0 else logits
+    if top_k:
+        scores = top_k_filter(scores, top_k)
+    if top_p is not None and top_p < 1.0:
+        scores = top_p_filter(scores, top_p)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def _check_arguments(
+    model: BertLMHeadModel, input_ids: Tensor, max_new_tokens: int, temperature: float, top_k, top_p
+) -> None:
+    """A `ValueError` saying what to change, before any step runs."""
+    config = model.config
+    if not config.is_decoder:
+        raise ValueError(
+            "generate needs a causal model, and this config has is_decoder=False (every token attends to later "
+            "ones); load it with is_decoder=True, e.g. BertLMHeadModel.from_pretrained(path, is_decoder=True)"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer of at least 1, got {max_new_tokens!r}")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError("input_ids must be a (batch, prompt_length) tensor of token ids, e.g. encode(tok, texts)")
+    limit = config.max_position_embeddings
+    if input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds "
+            f"max_position_embeddings={limit}: shorten the prompt to at most {limit - max_new_tokens} tokens "
+            "or ask for fewer new tokens"
+        )
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number above 0, got {temperature!r} (for greedy, do_sample=False)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be a positive integer (or None or 0 for no top-k filter), got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 or None for no top-p filter), got {top_p!r}")
+
+
+def _start_positions(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor:
+    """(B, T) positions of the prompt: each row counts from its first real token, pads at 0,
+    as transformers' `_prepare_position_ids_for_generation`."""
+    if attention_mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def _token_ids(value: int | list[int] | None, device: torch.device) -> Tensor | None:
+    if value is None:
+        return None
+    return torch.as_tensor([value] if isinstance(value, int) else list(value), device=device)
+
+
+@torch.no_grad()
+def generate(
+    model: BertLMHeadModel,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    use_cache: bool = True,
+    token_type_ids: Tensor | None = None,
+) -> Tensor:
+    """Continue each prompt of `input_ids` (B, T) by up to `max_new_tokens` tokens; returns
+    (B, T + new) ids, prompts first, as transformers' `generate`.
+
+    Greedy by default (`do_sample=False`). Sampling draws from `generator`, or from a fresh
+    one seeded with `seed`, or from torch's global RNG: the same seed gives the same tokens.
+    `top_k` None (transformers' default is 50) and `top_p` None filter nothing.
+    `attention_mask` (B, T) marks real tokens: pad prompts on the left. A row that emits one
+    of `eos_token_id` (default: the config's, usually none) is finished: its later tokens are
+    `pad_token_id` (default the config's, else the first eos), and generation stops when every
+    row is finished. `use_cache=False` recomputes the whole sequence at every step.
+    """
+    _check_arguments(model, input_ids, max_new_tokens, temperature, top_k, top_p)
+    if generator is not None and seed is not None:
+        raise ValueError("pass generator or seed, not both (a seed makes a new generator)")
+    device = model.device
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    eos = _token_ids(eos_token_id if eos_token_id is not None else model.config.extra.get("eos_token_id"), device)
+    if eos is not None and pad_token_id is None:
+        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else int(eos[0])
+
+    ids = input_ids.to(device)
+    mask = attention_mask.to(device) if attention_mask is not None else None
+    if mask is not None and bool(mask.bool().all()):
+        mask = None  # no padding: plain causal attention, as transformers drops an all-ones mask
+    positions = _start_positions(mask, ids)
+    types = token_type_ids.to(device) if token_type_ids is not None else torch.zeros_like(ids)
+    cache = KVCache(model.config.num_hidden_layers) if use_cache else None
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=device)
+    fresh = ids.shape[1]  # tokens the next forward runs on: the prompt, then one
+    for _ in range(max_new_tokens):
+        step = slice(-fresh, None) if cache is not None else slice(None)
+        logits = (
+            model(ids[:, step], mask, types[:, step], positions[:, step], cache=cache, logits_to_keep=1)
+            .logits[:, -1]
+            .float()
+        )  # (B, V)
+        new = next_tokens(logits, do_sample, temperature, top_k, top_p, generator)
+        if eos is not None:
+            new = torch.where(unfinished, new, pad_token_id)
+            unfinished &= ~torch.isin(new, eos)
+        ids = torch.cat([ids, new[:, None]], dim=-1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
+        types = torch.cat([types, types[:, -1:]], dim=-1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        fresh = 1
+        if eos is not None and not bool(unfinished.any()):
+            break
+    return ids
