@@ -277,8 +277,9 @@ def resolve_tied(model: BertPreTrainedModel, incoming: Incoming, source: str) ->
         raise ckpt.CheckpointError(
             f"cannot load {source}: "
             + ", ".join(f"{incoming.name(k)} differs from {incoming.name(ties[k])}" for k in untied)
-            + f", which {type(model).__name__} ties together (as transformers does with tie_word_embeddings); "
-            "this checkpoint has untied heads, which the port does not support. Nothing was loaded"
+            + f", which {type(model).__name__} ties together because its config says tie_word_embeddings=true; "
+            "this checkpoint's head is untied: load it with tie_word_embeddings=False (from_pretrained(path, "
+            "tie_word_embeddings=False)) and its decoder is read as a tensor of its own. Nothing was loaded"
         )
     for k in tied:
         if ties[k] not in tensors:
