@@ -106,10 +106,20 @@ def _start_positions(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor
     return positions.masked_fill(attention_mask == 0, 0)
 
 
-def _token_ids(value: int | list[int] | None, device: torch.device) -> Tensor | None:
-    if value is None:
-        return None
-    return torch.as_tensor([value] if isinstance(value, int) else list(value), device=device)
+def _eos_and_pad(
+    config, eos_token_id: int | list[int] | None, pad_token_id: int | None, device: torch.device
+) -> tuple[Tensor | None, int | None]:
+    """The end-of-sequence ids (the config's when not given; BERT configs usually have none)
+    and the id that fills a finished row: `pad_token_id`, else the config's, else the first
+    eos, as transformers chooses them."""
+    if eos_token_id is None:
+        eos_token_id = config.extra.get("eos_token_id")
+    if eos_token_id is None:
+        return None, pad_token_id
+    eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    if pad_token_id is None:
+        pad_token_id = config.pad_token_id if config.pad_token_id is not None else int(eos[0])
+    return eos, pad_token_id
 
 
 @torch.no_grad()
@@ -146,10 +156,7 @@ def generate(
     device = model.device
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    eos = _token_ids(eos_token_id if eos_token_id is not None else model.config.extra.get("eos_token_id"), device)
-    if eos is not None and pad_token_id is None:
-        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else int(eos[0])
-
+    eos, pad_token_id = _eos_and_pad(model.config, eos_token_id, pad_token_id, device)
     ids = input_ids.to(device)
     mask = attention_mask.to(device) if attention_mask is not None else None
     if mask is not None and bool(mask.bool().all()):
@@ -161,12 +168,8 @@ def generate(
     fresh = ids.shape[1]  # tokens the next forward runs on: the prompt, then one
     for _ in range(max_new_tokens):
         step = slice(-fresh, None) if cache is not None else slice(None)
-        logits = (
-            model(ids[:, step], mask, types[:, step], positions[:, step], cache=cache, logits_to_keep=1)
-            .logits[:, -1]
-            .float()
-        )  # (B, V)
-        new = next_tokens(logits, do_sample, temperature, top_k, top_p, generator)
+        out = model(ids[:, step], mask, types[:, step], positions[:, step], cache=cache, logits_to_keep=1)
+        new = next_tokens(out.logits[:, -1].float(), do_sample, temperature, top_k, top_p, generator)  # (B,)
         if eos is not None:
             new = torch.where(unfinished, new, pad_token_id)
             unfinished &= ~torch.isin(new, eos)

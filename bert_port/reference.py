@@ -56,6 +56,9 @@ def hf_twin(model: nn.Module, attn_implementation: str = "sdpa") -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         twin = cls(hf_config(model.config), **kwargs)
     twin.set_attn_implementation(attn_implementation)
-    twin.load_state_dict(model.hf_state_dict(), strict=True)
+    state = model.hf_state_dict()
+    # Tied targets (an MLM decoder) are not in a saved state dict; torch's strict load wants them.
+    state.update({target: state[source] for target, source in twin.all_tied_weights_keys.items()})
+    twin.load_state_dict(state, strict=True)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return twin.to(device=next(model.parameters()).device, dtype=dtype).train(model.training)

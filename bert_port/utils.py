@@ -87,18 +87,14 @@ def get_extended_attention_mask(
     additive, 0 where attended and `finfo(dtype).min` where not, never -inf, so a fully masked
     row stays finite (uniform attention, as transformers' eager path gives).
 
-    `past_length` (a decoder running on a `KVCache`): the T queries follow that many cached
-    positions, so the keys are P + T long: a 2-D mask is (B, P + T), a 3-D one (B, T, P + T),
-    and the causal pattern is shifted by P. SDPA's `is_causal` aligns the triangle to the top
-    left, which is wrong with a past, so several new tokens on a past get an explicit mask.
+    `past_length` P (a decoder on a `KVCache`): the keys are P + T long (a 2-D mask (B, P + T)),
+    the causal pattern shifted by P, which SDPA's `is_causal` cannot do: T > 1 gets a mask.
     """
     if attention_mask is not None and device is not None:
         attention_mask = attention_mask.to(device)
     if attention_mask is not None and attention_mask.dim() == 4:
         return _check_prepared_mask(attention_mask, dtype)
-    # Without a mask SDPA does causal attention itself: is_causal=True, or one query on a past.
-    sdpa_causal = as_bool and (past_length == 0 or seq_len == 1)
-    kv_len = past_length + seq_len
+    sdpa_causal = as_bool and (past_length == 0 or seq_len == 1)  # is_causal, or one query on a past
     if attention_mask is None:
         if not causal or sdpa_causal:
             return None  # nothing to mask, or plain causal, which SDPA does with is_causal=True
@@ -114,14 +110,19 @@ def get_extended_attention_mask(
     else:
         keep = attention_mask.bool()[:, None, :, :]  # (B, 1, T, P + T)
 
-    if causal:
-        tri = torch.ones(seq_len, kv_len, dtype=torch.bool, device=device if keep is None else keep.device)
-        tri = tri.tril(diagonal=past_length)  # query i sees the past and new tokens up to itself
-        keep = tri[None, None] if keep is None else keep & tri  # (B or 1, 1, T, P + T)
+    keep = _with_causal(keep, seq_len, past_length, device) if causal else keep  # (B or 1, 1, T, P + T)
     if as_bool:
         # A view with transformers' (B, 1, T, P + T) shape, so SDPA sees the same mask layout.
-        return keep.expand(keep.shape[0], 1, seq_len, kv_len)
+        return keep.expand(keep.shape[0], 1, seq_len, past_length + seq_len)
     return additive_mask(keep, dtype)
+
+
+def _with_causal(keep: Tensor | None, seq_len: int, past_length: int, device: torch.device | None) -> Tensor:
+    """`keep` (B, 1, 1 or T, P + T) and the causal pattern: new query i sees the P cached
+    positions and the new ones up to itself."""
+    tri = torch.ones(seq_len, past_length + seq_len, dtype=torch.bool, device=device if keep is None else keep.device)
+    tri = tri.tril(diagonal=past_length)
+    return tri[None, None] if keep is None else keep & tri
 
 
 def additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_model_and_bench_do_not_import_transformers():
     code = (
         "import sys, bert_port, bert_port.cli.bench, bert_port.bench.throughput, bert_port.bench.peers, "
-        "bert_port.bench.load, bert_port.bench.import_time, bert_port.bench.finetune, bert_port.bench.profiling; "
+        "bert_port.bench.load, bert_port.bench.import_time, bert_port.bench.finetune, bert_port.bench.profiling, "
+        "bert_port.bench.generate, bert_port.generation; "
         "print('transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -92,6 +93,39 @@ def test_report_writes_what_it_printed(tmp_path, capsys):
     report.table(("a", "b"), [(1, "x")])
     path = report.write(tmp_path / "out" / "bench.md")
     assert path.read_text() == capsys.readouterr().out == "\n## title\n| a | b |\n|---|---|\n| 1 | x |\n"
+
+
+def test_generation_prompts_are_left_padded_without_sep(minilm_path):
+    from bert_port import encode, load_tokenizer
+    from bert_port.bench.generate import left_padded_prompts
+
+    tok = load_tokenizer(minilm_path)
+    texts = ["ok", "A gripping, beautifully shot film that never lets go."]
+    prompts = left_padded_prompts(tok, texts, torch.device("cpu"))
+    encoded = encode(tok, texts)
+    for i, text in enumerate(texts):
+        n = int(encoded["attention_mask"][i].sum()) - 1  # [CLS] and the words, no [SEP]
+        assert prompts["attention_mask"][i].tolist() == [0] * (prompts["input_ids"].shape[1] - n) + [1] * n
+        assert torch.equal(prompts["input_ids"][i, -n:], encoded["input_ids"][i, :n])
+
+
+@pytest.mark.slow
+def test_generate_section_times_both_ways_and_checks_the_tokens(minilm_path, capsys, single_thread):
+    import argparse
+
+    from bert_port.bench.generate import section_generate
+
+    args = argparse.Namespace(quick=True, reps=1, seed=0)
+    result = section_generate(args, torch.device("cpu"), Report())
+    rows = result["batch 1"]
+    assert set(rows["rows"]) == {
+        "port, KV cache",
+        "port, no cache",
+        "transformers (sdpa), KV cache",
+        "transformers (sdpa), no cache",
+    }
+    assert rows["greedy_tokens_equal_transformers"] is True and rows["cache_speedup_port"] > 0
+    assert "KV cache speed-up: port " in capsys.readouterr().out
 
 
 def test_load_section_measures_in_a_fresh_process(minilm_path):

@@ -5,7 +5,8 @@ parity of every speed row beside it.
 Sections (`bert_port/bench/`): import time, matmul roofline, real text (all-MiniLM-L6-v2 on
 MR batches: fp32 with the peers, bf16 where the CPU has native bf16), fixed length
 (bert-base shape), checkpoint load time and peak RSS, the fine-tuning step; with
-`--profile`, where the time goes. `--markdown PATH` writes the printed tables to a file.
+`--generate`, text generation with and without the KV cache; with `--profile`, where the
+time goes. `--markdown PATH` writes the printed tables to a file.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"with --quick {','.join(QUICK_PEERS)}: exporting to ONNX alone takes longer than the rest)",
     )
     parser.add_argument("--compile", action="store_true", help="also time the port with its layers under torch.compile")
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="also time greedy generation (MiniLM as a decoder): tokens/s with and without the KV cache",
+    )
     parser.add_argument("--profile", action="store_true", help="profile port vs transformers on the MR batches")
     parser.add_argument("--profile-dir", default=None, help="write chrome traces of the profile here")
     parser.add_argument("--load-reps", type=int, default=3, help="repetitions of each checkpoint load (default 3)")
@@ -137,6 +143,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, section in sections.items():
         if name not in args.skip:
             results[name] = section()
+    if args.generate:
+        from bert_port.bench.generate import section_generate
+
+        results["generate"] = section_generate(args, device, report)
     results["machine"]["loadavg_end"] = os.getloadavg()
     report.line()
     report.line(f"Load average at end {results['machine']['loadavg_end'][0]:.2f}.")
