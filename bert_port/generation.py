@@ -14,6 +14,7 @@ Shapes: B batch, T prompt length, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,20 @@ def next_tokens(
         scores = top_p_filter(scores, top_p)
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def as_prompts(batch: Mapping[str, Tensor], drop_sep: bool = True) -> dict[str, Tensor]:
+    """Prompts to continue from a right-padded batch (`encode`'s): `input_ids` and
+    `attention_mask` (B, T') with each row's real tokens moved to the right end and the pads to
+    the left, since generation appends on the right; with `drop_sep`, without the closing
+    [SEP], so that generation continues the text rather than start after its end."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    lengths = (mask.sum(1) - int(drop_sep)).tolist()
+    T = max(lengths)
+    out_ids, out_mask = ids.new_zeros(len(lengths), T), mask.new_zeros(len(lengths), T)
+    for i, n in enumerate(lengths):
+        out_ids[i, T - n :], out_mask[i, T - n :] = ids[i, :n], 1
+    return {"input_ids": out_ids, "attention_mask": out_mask}
 
 
 def _check_arguments(

@@ -95,20 +95,6 @@ def test_report_writes_what_it_printed(tmp_path, capsys):
     assert path.read_text() == capsys.readouterr().out == "\n## title\n| a | b |\n|---|---|\n| 1 | x |\n"
 
 
-def test_generation_prompts_are_left_padded_without_sep(minilm_path):
-    from bert_port import encode, load_tokenizer
-    from bert_port.bench.generate import left_padded_prompts
-
-    tok = load_tokenizer(minilm_path)
-    texts = ["ok", "A gripping, beautifully shot film that never lets go."]
-    prompts = left_padded_prompts(tok, texts, torch.device("cpu"))
-    encoded = encode(tok, texts)
-    for i, text in enumerate(texts):
-        n = int(encoded["attention_mask"][i].sum()) - 1  # [CLS] and the words, no [SEP]
-        assert prompts["attention_mask"][i].tolist() == [0] * (prompts["input_ids"].shape[1] - n) + [1] * n
-        assert torch.equal(prompts["input_ids"][i, -n:], encoded["input_ids"][i, :n])
-
-
 @pytest.mark.slow
 def test_generate_section_times_both_ways_and_checks_the_tokens(minilm_path, capsys, single_thread):
     import argparse

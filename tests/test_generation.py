@@ -13,7 +13,7 @@ import torch
 from conftest import EXACT, TINY, TOL, hf_model, random_batch
 
 from bert_port import BertConfig, BertLMHeadModel, BertModel, KVCache
-from bert_port.generation import next_tokens, top_k_filter, top_p_filter
+from bert_port.generation import as_prompts, next_tokens, top_k_filter, top_p_filter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -198,12 +198,13 @@ def test_the_bundled_checkpoint_as_a_decoder_generates(minilm_path):
     assert "cls.predictions.transform.dense.weight" in model.loading_info["newly_initialized"]
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     batch = encode(load_tokenizer(minilm_path), ["the film is", "a gripping, beautifully shot"])
-    batch = {k: v[:, :-1] for k, v in batch.items()}  # drop [SEP]: continue the text
-    out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4)
-    again = model.generate(
-        batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4, use_cache=False
-    )
-    assert out.shape == (2, batch["input_ids"].shape[1] + 4) and torch.equal(out, again)
+    prompts = as_prompts(batch)  # left-padded, without [SEP]: continue the text
+    n = batch["attention_mask"].sum(1) - 1
+    assert prompts["attention_mask"].sum(1).tolist() == n.tolist() and prompts["attention_mask"][1].all()
+    assert torch.equal(prompts["input_ids"][0, -int(n[0]) :], batch["input_ids"][0, : int(n[0])])
+    out = model.generate(**prompts, max_new_tokens=4)
+    assert out.shape == (2, prompts["input_ids"].shape[1] + 4)
+    assert torch.equal(out, model.generate(**prompts, max_new_tokens=4, use_cache=False))
 
 
 @pytest.mark.parametrize(

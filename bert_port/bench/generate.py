@@ -11,30 +11,14 @@ import statistics
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from .harness import interleave, mr_texts
 
 
-def left_padded_prompts(tokenizer, texts: list[str], device: torch.device) -> dict[str, Tensor]:
-    """The texts as prompts to continue: encoded without the closing [SEP], pads moved to the
-    left (generation appends on the right)."""
-    from bert_port import encode
-
-    batch = encode(tokenizer, texts)
-    lengths = batch["attention_mask"].sum(1) - 1  # without [SEP]
-    T = int(lengths.max())
-    ids = torch.zeros(len(texts), T, dtype=torch.long)
-    mask = torch.zeros(len(texts), T, dtype=torch.long)
-    for i, n in enumerate(lengths.tolist()):
-        ids[i, T - n :] = batch["input_ids"][i, :n]
-        mask[i, T - n :] = 1
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-
-
 def section_generate(args, device: torch.device, report) -> dict[str, Any]:
-    from bert_port import BertLMHeadModel, load_tokenizer
+    from bert_port import BertLMHeadModel, encode, load_tokenizer
     from bert_port.assets import minilm_dir
+    from bert_port.generation import as_prompts
     from bert_port.reference import hf_twin
 
     new_tokens, n_prompts = (4, 1) if args.quick else (32, 2)
@@ -66,7 +50,8 @@ def section_generate(args, device: torch.device, report) -> dict[str, Any]:
     }
     result: dict[str, Any] = {"new_tokens": new_tokens, "reps": reps}
     for B in batch_sizes:
-        prompts = [left_padded_prompts(tokenizer, rng.sample(texts, B), device) for _ in range(n_prompts)]
+        prompts = [as_prompts(encode(tokenizer, rng.sample(texts, B))) for _ in range(n_prompts)]
+        prompts = [{k: v.to(device) for k, v in p.items()} for p in prompts]
         same = all(
             torch.equal(variants["port, KV cache"](p), variants["transformers (sdpa), KV cache"](p)) for p in prompts
         )
