@@ -406,6 +406,9 @@ class BertModel(BertPreTrainedModel):
                 f"the KV cache has {len(cache)} layers, the model {self.config.num_hidden_layers}; "
                 "pass KVCache(model.config.num_hidden_layers), or use_cache=True for a new one"
             )
-        if cache is None and use_cache and self.config.is_decoder:
+        recomputing = self.gradient_checkpointing and self.training  # a recomputed layer would append twice
+        if cache is not None and recomputing:
+            raise ValueError("a KV cache cannot be filled under gradient checkpointing in training; call model.eval()")
+        if cache is None and use_cache and self.config.is_decoder and not recomputing:  # transformers drops it too
             cache = KVCache(self.config.num_hidden_layers)
         return cache

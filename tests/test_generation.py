@@ -246,3 +246,15 @@ def test_bad_cache_inputs_say_what_is_wrong(pair):
         ours(ids[:, :1], attention_mask=torch.ones(1, 1), cache=cache)
     with pytest.raises(ValueError, match="sequence length 60 after 5 cached positions exceeds"):
         ours(torch.randint(1, 99, (1, 60)), cache=cache)
+
+
+def test_no_cache_is_filled_under_gradient_checkpointing_in_training():
+    """A recomputed layer would append its keys twice: an explicit cache is refused there, and
+    use_cache=True gives none, as transformers turns it off."""
+    model = BertLMHeadModel(BertConfig.from_dict(DECODER))
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(1, 99, (1, 5))
+    with pytest.raises(ValueError, match="cannot be filled under gradient checkpointing in training"):
+        model.train()(ids, cache=KVCache(2))
+    assert model(ids, use_cache=True).cache is None
+    assert model.eval()(ids, use_cache=True).cache.get_seq_length() == 5
