@@ -125,6 +125,17 @@ def test_saved_checkpoint_is_megatron_for_transformers(megatron, batches, tmp_pa
                 assert_bitwise([out.last_hidden_state, out.pooler_output], [expected[0], expected[1]])
 
 
+def test_parity_cli_compares_with_megatron_read_by_transformers(megatron, capsys):
+    """`bert-port-parity` on a Megatron-BERT folder: transformers' MegatronBertModel reads the
+    file itself (eager: it has no SDPA), and exact mode is bitwise."""
+    import bert_port.cli.parity as parity_cli
+
+    argv = ["--checkpoint", str(megatron[0]), "--device", "cpu", "--dtype", "float32", "--max-length", "16"]
+    assert parity_cli.main([*argv, "--attn", "eager", "--atol", "0", "--rtol", "0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers.MegatronBertModel.from_pretrained read" in out and "cpu float32: PASS" in out
+
+
 def test_megatron_masked_lm_loads_matches_and_saves_back(tmp_path):
     import transformers
 
