@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from . import loading, saving
 from .config import BertConfig
 
+# transformers' Megatron-BERT class of a port class, where it is not "Megatron" + the port's name.
+MEGATRON_ARCHITECTURES = {"BertLMHeadModel": "MegatronBertForCausalLM"}
+
 
 class BertPreTrainedModel(nn.Module):
     # Port keys (by prefix) that a checkpoint may lack: they are initialised afresh and
@@ -95,7 +98,10 @@ class BertPreTrainedModel(nn.Module):
 
     @property
     def hf_architecture(self) -> str:
-        return type(self).__name__
+        """transformers' class of this model (config.json's `architectures`): the class of the
+        same name, or for a pre-LN config (`config.pre_norm`) its Megatron-BERT counterpart."""
+        name = type(self).__name__
+        return MEGATRON_ARCHITECTURES.get(name, "Megatron" + name) if self.config.pre_norm else name
 
     # -- transformers' fine-tuning conveniences ---------------------------------------
 

@@ -4,7 +4,8 @@
 `forward`) and `BertModel` (`embed`, `encode`, `forward`) keep that file's structure and
 parameter names. On a padded batch the numerics follow `transformers.BertModel` operation
 for operation; with `attn_implementation="eager"` (which never unpads) that is transformers'
-eager path itself.
+eager path itself. With `config.pre_norm` the same modules run in Megatron-BERT's pre-LN
+arrangement, following `transformers.MegatronBertModel` the same way.
 
 The one speed trick that changes the layout: `BertModel.encode` may pack a padded batch
 into its N real tokens (`packing.py`) and run the same layers on those (N, H) rows. Only
@@ -171,33 +172,50 @@ class BertSelfAttention(nn.Module):
         return context, probs if output_attentions else None
 
 
+def _layer_norm(config: BertConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+def _norm(layer_norm: nn.LayerNorm | None, x: Tensor) -> Tensor:
+    """`layer_norm(x)`, or `x` where the arrangement has no LayerNorm at this place."""
+    return x if layer_norm is None else layer_norm(x)
+
+
 class BertLayer(nn.Module):
-    """One transformer block. Runs on its own on (B, T, H) floats with an optional 2-D
-    padding mask, or inside `BertModel` with the prepared 4-D mask and, when the batch is
-    packed, its `Packing`."""
+    """One transformer block, post-LN as in BERT or pre-LN as in Megatron-BERT
+    (`config.pre_norm`). Runs on its own on (B, T, H) floats with an optional 2-D padding
+    mask, or inside `BertModel` with the prepared 4-D mask and, when the batch is packed, its
+    `Packing`."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
+        # Each sublayer has one LayerNorm: after the residual addition in BERT (post-LN), or on
+        # the sublayer's input in Megatron-BERT (`config.pre_norm`), whose residual stream
+        # x + f(LayerNorm(x)) is never normalised. The other one of each pair is None.
+        pre_norm = config.pre_norm
         # Multi-head attention.
+        self.pre_attention_layer_norm = _layer_norm(config) if pre_norm else None
         self.self_attention = BertSelfAttention(config)
         # Add-norm after attention.
         self.attention_dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.attention_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention_layer_norm = None if pre_norm else _layer_norm(config)
         self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
         # Feed forward.
+        self.pre_ffn_layer_norm = _layer_norm(config) if pre_norm else None
         self.interm_dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.interm_af = get_activation(config.hidden_act)
         # Add-norm after feed forward.
         self.out_dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.out_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.out_layer_norm = None if pre_norm else _layer_norm(config)
         self.out_dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def add_norm(
-        self, input: Tensor, output: Tensor, dense_layer: nn.Linear, dropout: nn.Dropout, ln_layer: nn.LayerNorm
+        self, input: Tensor, output: Tensor, dense_layer: nn.Linear, dropout: nn.Dropout, ln_layer: nn.LayerNorm | None
     ) -> Tensor:
-        """Project the sublayer `output`, drop out, add the residual `input`, normalise."""
-        return ln_layer(dropout(dense_layer(output)) + input)
+        """Project the sublayer `output`, drop out, add the residual `input`, normalise (post-LN;
+        a pre-LN layer passes `ln_layer` None: it normalised the sublayer's input instead)."""
+        return _norm(ln_layer, dropout(dense_layer(output)) + input)
 
     def forward(
         self,
@@ -218,11 +236,12 @@ class BertLayer(nn.Module):
         if packing is None and (attention_mask is None or attention_mask.dim() < 4):
             past = cache.length if cache is not None else 0
             attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
-        attn_value, probs = self.self_attention(hidden_states, attention_mask, output_attentions, packing, cache)
+        attn_input = _norm(self.pre_attention_layer_norm, hidden_states)  # pre-LN; else hidden_states itself
+        attn_value, probs = self.self_attention(attn_input, attention_mask, output_attentions, packing, cache)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
         )
-        interm = self.interm_af(self.interm_dense(attention_output))
+        interm = self.interm_af(self.interm_dense(_norm(self.pre_ffn_layer_norm, attention_output)))
         layer_output = self.add_norm(attention_output, interm, self.out_dense, self.out_dropout, self.out_layer_norm)
         return (layer_output, probs) if output_attentions else layer_output
 
@@ -242,10 +261,12 @@ class BertModel(BertPreTrainedModel):
         self.word_embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.pos_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.tk_type_embedding = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.embed_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # Pre-LN (Megatron-BERT) leaves the embeddings to the first layer's LayerNorm.
+        self.embed_layer_norm = None if config.pre_norm else _layer_norm(config)
         self.embed_dropout = nn.Dropout(config.hidden_dropout_prob)
-        # Encoder.
+        # Encoder. Pre-LN normalises the residual stream once, at the end.
         self.bert_layers = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.final_layer_norm = _layer_norm(config) if config.pre_norm else None
         # Pooler: [CLS] through a dense layer and tanh.
         if add_pooling_layer:
             self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
@@ -260,8 +281,8 @@ class BertModel(BertPreTrainedModel):
         inputs_embeds: Tensor | None = None,
         past_length: int = 0,
     ) -> Tensor:
-        """Word + token-type + position embeddings, layer-normed: (B, T, H). Positions default
-        to P..P+T-1 after `past_length` (P) cached ones."""
+        """Word + token-type + position embeddings, layer-normed (post-LN only): (B, T, H).
+        Positions default to P..P+T-1 after `past_length` (P) cached ones."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embedding(input_ids)
         B, T = inputs_embeds.shape[:2]
@@ -273,7 +294,7 @@ class BertModel(BertPreTrainedModel):
         # Same additions in the same order as HF: (words + types) + positions.
         embeddings = inputs_embeds + self.tk_type_embedding(token_type_ids)
         embeddings = embeddings + self.pos_embedding(position_ids)
-        return self.embed_dropout(self.embed_layer_norm(embeddings))
+        return self.embed_dropout(_norm(self.embed_layer_norm, embeddings))
 
     def encode(
         self,
@@ -283,9 +304,10 @@ class BertModel(BertPreTrainedModel):
         output_attentions: bool = False,
         cache: KVCache | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
-        """Run every layer: (B, T, H) -> (B, T, H). Also returns, when asked for, all hidden
-        states (embeddings first) and all attention probabilities. A decoder's `cache` gives
-        each layer the keys and values of the earlier steps and takes this step's.
+        """Run every layer (and, pre-LN, the final LayerNorm): (B, T, H) -> (B, T, H). Also
+        returns, when asked for, all hidden states (embeddings first; pre-LN, the last one
+        normalised, as in Megatron-BERT) and all attention probabilities. A decoder's `cache`
+        gives each layer the keys and values of the earlier steps and takes this step's.
 
         When `packing_for` allows it (the default: SDPA or varlen attention, a 2-D mask or none),
         the layers run on the N real tokens only (with filler rows up to `MIN_GEMM_ROWS`, which
@@ -318,6 +340,9 @@ class BertModel(BertPreTrainedModel):
                 hidden_states = layer(hidden_states, extended_mask, packing=packing, cache=layer_cache)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
+        if self.final_layer_norm is not None:
+            hidden_states = self.final_layer_norm(hidden_states)
+            all_hidden = all_hidden[:-1] + [hidden_states] if output_hidden_states else None
         if packing is not None:
             hidden_states = pad(hidden_states, packing)  # (B, T, H)
             all_hidden = [pad(h, packing) for h in all_hidden] if output_hidden_states else None

@@ -44,6 +44,9 @@ SUPPORTED_ACTIVATIONS = (
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "varlen")
 
+# transformers' `model_type` of Megatron-BERT, the pre-LN BERT (`BertConfig.pre_norm`).
+MEGATRON_MODEL_TYPE = "megatron-bert"
+
 # Fields every BERT config.json must carry; the rest fall back to HF's defaults.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -90,6 +93,28 @@ def _check_runtime_option(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
+def _check_model_type(data: dict[str, Any]) -> None:
+    """A config.json whose `pre_norm` contradicts its `model_type` describes no model that
+    both the port and transformers build the same way: refuse it, saying which to fix."""
+    pre_norm, model_type = data.get("pre_norm"), data.get("model_type")
+    if not isinstance(pre_norm, bool) or model_type not in ("bert", MEGATRON_MODEL_TYPE):
+        return  # a pre_norm of the wrong type is `validate`'s to report; other model types say nothing
+    if pre_norm != (model_type == MEGATRON_MODEL_TYPE):
+        raise ConfigError(
+            f"config.json gives pre_norm={str(pre_norm).lower()} and model_type {model_type!r}, which "
+            f"transformers builds as a {'pre' if model_type == MEGATRON_MODEL_TYPE else 'post'}-LN model: "
+            f"set model_type to {_model_type(pre_norm, None)!r} (or remove pre_norm if model_type is right)"
+        )
+
+
+def _model_type(pre_norm: bool, read: str | None) -> str:
+    """The `model_type` a config.json is written with: transformers picks the architecture by
+    it, so a pre-LN model is "megatron-bert" and a post-LN one keeps what was read ("bert")."""
+    if pre_norm:
+        return MEGATRON_MODEL_TYPE
+    return "bert" if read in (None, MEGATRON_MODEL_TYPE) else read
+
+
 class _RuntimeOption:
     """A runtime option on `BertConfig`: read and assigned as an attribute, validated on
     assignment, stored in a private attribute. Declared as a dataclass `InitVar` whose default
@@ -130,6 +155,12 @@ class BertConfig:
     add_cross_attention: bool = False  # not supported; must stay False
     tie_word_embeddings: bool = True  # MLM/LM decoder weight is the word embedding; False: its own
     classifier_dropout: float | None = None  # head dropout; None -> hidden_dropout_prob
+    # Pre-LN blocks as Megatron-BERT arranges them (transformers' MegatronBertModel, model_type
+    # "megatron-bert", which implies it): x + f(LayerNorm(x)) around attention and around the
+    # feed-forward, one LayerNorm on the encoder's output, none on the embeddings. The name is
+    # transformers' own (XmodConfig.pre_norm). It changes the architecture and the checkpoint's
+    # key names, so it is a config.json field, written as model_type "megatron-bert".
+    pre_norm: bool = False
     # Sequence classification (HF keeps these on every PreTrainedConfig).
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
@@ -206,7 +237,7 @@ class BertConfig:
             problems.append(f"initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
         problems += [
             f"{name} must be true or false, got {getattr(self, name)!r}"
-            for name in ("is_decoder", "add_cross_attention", "tie_word_embeddings")
+            for name in ("is_decoder", "add_cross_attention", "pre_norm", "tie_word_embeddings")
             if not isinstance(getattr(self, name), bool)
         ]
         problems += [
@@ -262,6 +293,8 @@ class BertConfig:
         kept as data."""
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
+        if "pre_norm" not in overrides:  # an override sets the architecture, and model_type follows it
+            _check_model_type(data)
         data = {**data, **overrides}
         runtime = {name: data.pop(name) for name in RUNTIME_OPTIONS if name in data}
         missing = [name for name in REQUIRED_FIELDS if name not in data]
@@ -272,6 +305,7 @@ class BertConfig:
             )
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs.setdefault("pre_norm", data.get("model_type") == MEGATRON_MODEL_TYPE)  # Megatron's config.json omits it
         try:
             # num_labels is not stored (it is len(id2label)), as in HF. Like HF, a num_labels
             # passed as an override replaces an id2label of another length.
@@ -310,7 +344,9 @@ class BertConfig:
             out[f.name] = value
         if "num_labels" in out:
             out["num_labels"] = self.num_labels
-        out.setdefault("model_type", "bert")
+        if not self.pre_norm and "pre_norm" not in read:
+            del out["pre_norm"]  # written when true, or when read: a BERT's config.json stays as it was
+        out["model_type"] = _model_type(self.pre_norm, out.get("model_type"))
         return out
 
     @classmethod

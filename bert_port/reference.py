@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import BertConfig
+from .config import MEGATRON_MODEL_TYPE, BertConfig
 from .extras import require
 
 
@@ -23,9 +23,11 @@ def _transformers():
 
 def hf_config(config: BertConfig | Mapping):
     """transformers' `BertConfig` with the same fields as `config` (a port config or a
-    config.json dict)."""
+    config.json dict); its `MegatronBertConfig` for a pre-LN one (`pre_norm`, model_type
+    "megatron-bert")."""
     fields = config.to_dict() if isinstance(config, BertConfig) else dict(config)
-    return _transformers().BertConfig(**fields)
+    megatron = fields.get("pre_norm") is True or fields.get("model_type") == MEGATRON_MODEL_TYPE
+    return getattr(_transformers(), "MegatronBertConfig" if megatron else "BertConfig")(**fields)
 
 
 def random_hf_model(
@@ -52,7 +54,8 @@ def hf_twin(model: nn.Module, attn_implementation: str = "sdpa") -> nn.Module:
     initialisation, thrown away here, must not change the dropout masks that follow."""
     transformers = _transformers()
     cls = getattr(transformers, model.hf_architecture)
-    kwargs = {"add_pooling_layer": model.add_pooling_layer} if model.hf_architecture == "BertModel" else {}
+    bare = model.hf_architecture in ("BertModel", "MegatronBertModel")
+    kwargs = {"add_pooling_layer": model.add_pooling_layer} if bare else {}
     with torch.random.fork_rng(devices=[]):
         twin = cls(hf_config(model.config), **kwargs)
     twin.set_attn_implementation(attn_implementation)

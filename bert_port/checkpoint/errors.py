@@ -86,5 +86,31 @@ def mismatch_message(source, name, tensors, expected, missing, unexpected, misma
             "  Shapes come from config.json (hidden_size, vocab_size, intermediate_size, ...): check that "
             "the config belongs to these weights."
         )
+    lines += _layer_norm_hint(missing, unexpected)
     lines.append("Nothing was loaded. Check that the checkpoint is a BERT model matching its config.json.")
     return "\n".join(lines)
+
+
+# Port names (bert.py) of the LayerNorms of each arrangement: post-LN (BERT), pre-LN (Megatron-BERT).
+POST_LN_NAMES = {"embed_layer_norm", "attention_layer_norm", "out_layer_norm"}
+PRE_LN_NAMES = {"pre_attention_layer_norm", "pre_ffn_layer_norm", "final_layer_norm"}
+
+
+def _any_named(keys, names: set[str]) -> bool:
+    return any(names & set(k.split(".")) for k in keys)
+
+
+def _layer_norm_hint(missing, unexpected) -> list[str]:
+    """What to fix when the file's LayerNorms are those of the other arrangement: the model's
+    comes from config.json (`pre_norm`, implied by model_type "megatron-bert")."""
+    if _any_named(unexpected, PRE_LN_NAMES) and _any_named(missing, POST_LN_NAMES):
+        found, wanted, model_type, pre_norm = "pre-LN (Megatron-BERT)", "post-LN (BERT)", "megatron-bert", True
+    elif _any_named(unexpected, POST_LN_NAMES) and _any_named(missing, PRE_LN_NAMES):
+        found, wanted, model_type, pre_norm = "post-LN (BERT)", "pre-LN (Megatron-BERT)", "bert", False
+    else:
+        return []
+    hint = (
+        f"  The checkpoint's LayerNorms are {found} and the config's are {wanted}: its config.json "
+        f'should say "model_type": "{model_type}" (or pass pre_norm={pre_norm}).'
+    )
+    return [hint]

@@ -47,6 +47,14 @@ HF_TO_PORT: dict[str, str] = {
     "encoder.layer.{}.output.dense.bias": "bert_layers.{}.out_dense.bias",
     "encoder.layer.{}.output.LayerNorm.weight": "bert_layers.{}.out_layer_norm.weight",
     "encoder.layer.{}.output.LayerNorm.bias": "bert_layers.{}.out_layer_norm.bias",
+    # Pre-LN (Megatron-BERT, `BertConfig.pre_norm`): a LayerNorm before attention and one before
+    # the feed-forward in each layer, one on the encoder's output, none on the embeddings.
+    "encoder.layer.{}.attention.ln.weight": "bert_layers.{}.pre_attention_layer_norm.weight",
+    "encoder.layer.{}.attention.ln.bias": "bert_layers.{}.pre_attention_layer_norm.bias",
+    "encoder.layer.{}.ln.weight": "bert_layers.{}.pre_ffn_layer_norm.weight",
+    "encoder.layer.{}.ln.bias": "bert_layers.{}.pre_ffn_layer_norm.bias",
+    "encoder.ln.weight": "final_layer_norm.weight",
+    "encoder.ln.bias": "final_layer_norm.bias",
     "pooler.dense.weight": "pooler_dense.weight",
     "pooler.dense.bias": "pooler_dense.bias",
 }

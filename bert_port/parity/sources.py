@@ -135,15 +135,16 @@ def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
     return view
 
 
-def _read_by_transformers(transformers, files: CheckpointFiles, attn: str, add_pooling_layer: bool):
-    """transformers.BertModel as its own loader reads `files`, or None and why not."""
-    kwargs = dict(dtype=torch.float32, attn_implementation=attn, add_pooling_layer=add_pooling_layer)
+def _read_by_transformers(transformers, files: CheckpointFiles, attn: str, ours):
+    """transformers' model of the class `ours` has (BertModel, or MegatronBertModel for a pre-LN
+    config) as its own loader reads `files`, or None and why not."""
+    kwargs = dict(dtype=torch.float32, attn_implementation=attn, add_pooling_layer=ours.add_pooling_layer)
     why = "transformers cannot read this file layout"
     with contextlib.ExitStack() as stack:
         try:
             view = _hf_view(files, stack)
             if view is not None:
-                ref, info = transformers.BertModel.from_pretrained(
+                ref, info = getattr(transformers, ours.hf_architecture).from_pretrained(
                     str(view), local_files_only=True, output_loading_info=True, **kwargs
                 )
                 bad = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
@@ -158,7 +159,7 @@ def _read_by_transformers(transformers, files: CheckpointFiles, attn: str, add_p
 def load_reference(
     transformers, ours, source: Source, attn: str, same_as_ours: bool = True
 ) -> tuple[torch.nn.Module, str]:
-    """transformers.BertModel holding the weights of `source` (the checkpoint `ours` was
+    """transformers' model (`ours.hf_architecture`) holding the weights of `source` (the checkpoint `ours` was
     loaded from, or with `same_as_ours=False` a reference checkpoint), and how it got them.
 
     Preferably transformers reads the checkpoint file itself, so that our key mapping is
@@ -168,9 +169,9 @@ def load_reference(
     from bert_port.reference import hf_twin
 
     files = source.files
-    ref, why = _read_by_transformers(transformers, files, attn, ours.add_pooling_layer)
+    ref, why = _read_by_transformers(transformers, files, attn, ours)
     if ref is not None:
-        return ref, f"transformers.BertModel.from_pretrained read {files.weights_file} itself"
+        return ref, f"transformers.{ours.hf_architecture}.from_pretrained read {files.weights_file} itself"
     if same_as_ours:
         donor, whose = ours, "the port's weights"
     else:
@@ -185,6 +186,6 @@ def load_reference(
         if donor.add_pooling_layer and not ours.add_pooling_layer:
             donor = _from_pretrained(source, attn, add_pooling_layer=False)
     return hf_twin(donor, attn).eval(), (
-        f"transformers.BertModel(config) given {whose} via hf_state_dict() (strict), because {why}; "
+        f"transformers.{ours.hf_architecture}(config) given {whose} via hf_state_dict() (strict), because {why}; "
         "this checks the forward pass but not the key mapping"
     )

@@ -11,6 +11,8 @@ resume      last-checkpoint.pt: what it holds (RNG state, data identity) and its
 reference   the model trained: the port's, or its transformers twin (`--reference hf`)
 recipe      `FinetuneRecipe` (setup, train_epoch, evaluate, save_checkpoint, resume,
             cleanup) and `finetune(cfg)`, which runs it
+identity    `train_identity`: one layer taught to return its input, pre-LN against post-LN
+            (scripts/identity_task.py); not part of the recipe, imported on its own
 """
 
 from .batching import Collator, chunks, length_sorted
