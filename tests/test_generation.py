@@ -258,3 +258,22 @@ def test_no_cache_is_filled_under_gradient_checkpointing_in_training():
         model.train()(ids, cache=KVCache(2))
     assert model(ids, use_cache=True).cache is None
     assert model.eval()(ids, use_cache=True).cache.get_seq_length() == 5
+
+
+def test_pre_ln_decoder_generates_as_megatron_bert(tmp_path):
+    """A pre-LN config (`pre_norm`) makes BertLMHeadModel transformers' MegatronBertForCausalLM:
+    saved, it loads there with nothing missing, and greedy tokens are Megatron-BERT's."""
+    import transformers
+
+    torch.manual_seed(0)
+    ours = BertLMHeadModel(BertConfig.from_dict(dict(DECODER, pre_norm=True))).eval()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    ours.save_pretrained(tmp_path)
+    ref, info = transformers.MegatronBertForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    prompts = _prompts("left-padded")
+    expected = ref.eval().generate(**prompts, max_new_tokens=10, do_sample=False)
+    assert torch.equal(ours.generate(**prompts, max_new_tokens=10), expected)
+    assert torch.equal(ours.generate(**prompts, max_new_tokens=10, use_cache=False), expected)
