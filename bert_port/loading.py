@@ -114,8 +114,8 @@ def from_pretrained(
     check_finite_mode(check_finite)
     dtype = resolve_dtypes(dtype, torch_dtype)
     device = resolve_device_map(device, device_map)  # before any file is read
-    directory = ckpt.locate_checkpoint(path, config_file, revision, cache_dir).directory
-    with ckpt.read_snapshot(directory):  # config and weights of one save, however saves race
+    # The folder first, its files only under its lock: config and weights of one save, however saves race.
+    with ckpt.read_snapshot(ckpt.checkpoint_folder(path, revision, cache_dir)):
         files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
         init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in init_kwarg_names(cls)}
         config = resolve_config(cls, files, config, kwargs)

@@ -103,6 +103,41 @@ def test_loads_in_other_processes_never_see_two_saves(tmp_path):
     assert [r["errors"] for r in loads] == [0, 0], (results, errors)
 
 
+def test_a_load_waits_out_a_save_that_has_no_weights_file_in_place(tmp_path):
+    """A save between removing one layout's weights and renaming in the other's leaves the
+    folder with no weights file for a moment, under its exclusive lock. A load that starts
+    then waits for the lock and reads the finished save; it does not fail on the empty
+    moment (the race test above hit this once in about 6,000 loads when loads looked for
+    the weights file before taking the lock)."""
+    import threading
+
+    BertModel(BertConfig(**OLD_CONFIG)).save_pretrained(tmp_path)
+    weights, aside = tmp_path / "model.safetensors", tmp_path / "aside"
+    BertModel(BertConfig(**NEW_CONFIG)).save_pretrained(aside)
+    loaded, failed = [], []
+
+    def load():
+        try:
+            loaded.append(BertModel.from_pretrained(tmp_path))
+        except Exception as exc:  # noqa: BLE001 -- the assertion below names it
+            failed.append(exc)
+
+    lock = ckpt.DirectoryLock(tmp_path)  # as a save holds it, from its first byte to its last rename
+    try:
+        weights.unlink()
+        loader = threading.Thread(target=load)
+        loader.start()
+        loader.join(timeout=1.0)
+        assert loader.is_alive() and not failed, f"the load did not wait for the save: {failed}"
+        (aside / "model.safetensors").rename(weights)
+        (aside / "config.json").replace(tmp_path / "config.json")
+    finally:
+        lock.release()
+    loader.join(timeout=60)
+    assert not failed and len(loaded) == 1, failed
+    assert loaded[0].config.layer_norm_eps == NEW_CONFIG["layer_norm_eps"]
+
+
 def _snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 

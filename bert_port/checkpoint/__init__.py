@@ -37,7 +37,7 @@ from .keys import (
     plan_load,
     port_to_hf,
 )
-from .locate import CheckpointFiles, find_in_hf_cache, hf_cache_dir, is_repo_id, locate_checkpoint
+from .locate import CheckpointFiles, checkpoint_folder, find_in_hf_cache, hf_cache_dir, is_repo_id, locate_checkpoint
 from .locking import DirectoryLock, shared_lock
 from .names import (
     CONFIG_NAME,
@@ -90,6 +90,7 @@ __all__ = [
     "Weights",
     "atomic_write",
     "check_layer_count",
+    "checkpoint_folder",
     "detect_layout",
     "find_in_hf_cache",
     "finite",

@@ -187,18 +187,36 @@ def _weights_in(folder: Path, asked: str, cached: bool) -> Path:
     )
 
 
-def _locate_checkpoint(
-    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str, cache_dir: str | os.PathLike | None
-) -> CheckpointFiles:
+def checkpoint_folder(
+    path: str | os.PathLike, revision: str = "main", cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """The folder a checkpoint's files live in, without looking at which weights it holds:
+    a directory, a weights file's parent, or the snapshot of a model id in the HF cache.
+    Loads take this folder's shared lock first and only then `locate_checkpoint` the files,
+    so a save renaming one layout's weights over another's is never seen half done."""
+    try:
+        p, _ = _resolve(path, revision, cache_dir)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    return p if p.is_dir() else p.parent
+
+
+def _resolve(path: str | os.PathLike, revision: str, cache_dir: str | os.PathLike | None) -> tuple[Path, bool]:
+    """An existing path, or a model id's cache snapshot; and whether it came from the cache."""
     if isinstance(path, str) and "\0" in path:
         raise CheckpointError(f"no checkpoint at {path!r}: a path cannot hold a NUL character")
     p = Path(path).expanduser()
-    cached = False
-    if not p.exists():
-        if isinstance(path, str) and is_repo_id(path):
-            p, cached = find_in_hf_cache(path, revision, cache_dir), True
-        else:
-            raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    if p.exists():
+        return p, False
+    if isinstance(path, str) and is_repo_id(path):
+        return find_in_hf_cache(path, revision, cache_dir), True
+    raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+
+
+def _locate_checkpoint(
+    path: str | os.PathLike, config_file: str | os.PathLike | None, revision: str, cache_dir: str | os.PathLike | None
+) -> CheckpointFiles:
+    p, cached = _resolve(path, revision, cache_dir)
     if p.is_dir():
         weights, directory = _weights_in(p, str(path), cached), p
     else:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from bert_port import checkpoint as ckpt
     from bert_port.base_bert import BertPreTrainedModel
     from bert_port.config import BertConfig
 
@@ -127,18 +128,20 @@ def _refusal(dst: Path, source_dir: Path, overwrite: bool) -> str | None:
     return None
 
 
-def _load(args: argparse.Namespace, files) -> BertPreTrainedModel:
-    """SRC as the port model that keeps what it is, loaded as `from_pretrained` loads."""
+def _load(args: argparse.Namespace, folder: Path) -> tuple[BertPreTrainedModel, ckpt.CheckpointFiles]:
+    """SRC as the port model that keeps what it is, loaded as `from_pretrained` loads, and its files."""
     from bert_port import BertConfig, loading
     from bert_port import checkpoint as ckpt
 
-    with ckpt.read_snapshot(files.directory):  # config and weights of one save
+    with ckpt.read_snapshot(folder):  # config and weights of one save
+        files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
         config = BertConfig.from_json_file(files.config_file)
         weights = loading.read_checkpoint(files, config)
     cls, init_kwargs = _model_class(weights.tensors, config, args.keep_heads)
-    return loading.build_and_load(
+    model = loading.build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=DTYPES[args.dtype], check_finite=args.check_finite
     )
+    return model, files
 
 
 def _report(model: BertPreTrainedModel, files, dst: Path, saved: dict, keep_heads: bool) -> None:
@@ -188,14 +191,14 @@ def convert(args: argparse.Namespace) -> int:
     from bert_port import saving
 
     dst = Path(args.dst).expanduser()
-    files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
-    refusal = _refusal(dst, files.directory, args.overwrite)
+    folder = ckpt.checkpoint_folder(args.src, args.revision)
+    refusal = _refusal(dst, folder, args.overwrite)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
 
-    model = _load(args, files)
+    model, files = _load(args, folder)
     saving.save_pretrained(model, dst, max_shard_size=args.max_shard_size)
     saved = saving.hf_state_dict(model)
     written = ckpt.locate_checkpoint(dst)
