@@ -19,10 +19,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import saving
@@ -262,38 +264,74 @@ class SentenceEncoder(nn.Module):
         return F.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
 
     @torch.inference_mode()
-    def encode(self, texts: str | Sequence[str], batch_size: int = 32, normalize_embeddings: bool = False) -> Tensor:
-        """Embeddings of `texts`: (N, D) on the model's device, or (D,) for one bare string, as
-        sentence-transformers returns them. Texts longer than `max_seq_length` tokens are
-        truncated. `normalize_embeddings`, as in sentence-transformers: True scales to unit
+    def encode(
+        self,
+        texts: str | Sequence[str],
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+    ) -> np.ndarray | Tensor | list[Tensor]:
+        """Embeddings of `texts`, returned as sentence-transformers' `encode` returns them: a
+        (N, D) float32 numpy array by default (bf16 upcast); with `convert_to_tensor` one (N, D)
+        tensor on the model's device; with neither, a list of N (D,) tensors. One bare string
+        gives one (D,) embedding. `show_progress_bar` (None: shown when this module logs at
+        INFO or DEBUG, sentence-transformers' rule) draws a bar over the batches.
+
+        Texts longer than `max_seq_length` tokens are truncated to it, and a warning says how
+        many were. `normalize_embeddings`, as in sentence-transformers: True scales to unit
         length on top of the pipeline; False (the default) adds nothing, and the checkpoint's
         Normalize module still runs (for raw vectors, load with `normalize=False`). Batches are
         formed from texts of similar length (fewer pads), and the result is in the order of `texts`."""
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        normalize = self.normalize or bool(normalize_embeddings)
+        if show_progress_bar is None:
+            show_progress_bar = log.getEffectiveLevel() <= logging.INFO
         was_training = self.training
         self.eval()
         try:
             order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-            chunks = []
-            for start in range(0, len(texts), batch_size):
-                batch = [texts[i] for i in order[start : start + batch_size]]
-                if self.do_lower_case:
-                    batch = [t.lower() for t in batch]
-                inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
-                hidden = self.model(**inputs).last_hidden_state
-                chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
+            embeddings = self._embed_in_order(texts, order, batch_size, show_progress_bar)
         finally:
             self.train(was_training)
-        dim = len(self.pooling) * self.model.config.hidden_size
-        embeddings = torch.cat(chunks) if chunks else torch.empty(0, dim, device=self.model.device)
-        if normalize:
+        if self.normalize or normalize_embeddings:
             embeddings = F.normalize(embeddings, p=2, dim=1)
         embeddings = embeddings[torch.argsort(torch.tensor(order, device=embeddings.device))]
-        return embeddings[0] if single else embeddings
+        if convert_to_tensor:
+            return embeddings[0] if single else embeddings
+        if convert_to_numpy:
+            array = embeddings.float().cpu().numpy()
+            return array[0] if single else array
+        return embeddings[0] if single else list(embeddings)
+
+    def _embed_in_order(self, texts: list[str], order: list[int], batch_size: int, show_progress_bar: bool) -> Tensor:
+        """The pooled (N, D) embeddings of `texts` taken in `order`, `batch_size` at a time;
+        warns once when texts were cut to `max_seq_length` tokens."""
+        chunks, truncated = [], 0
+        starts = range(0, len(texts), batch_size)
+        for start in tqdm(starts, desc="Batches", disable=not show_progress_bar, dynamic_ncols=True):
+            batch = [texts[i] for i in order[start : start + batch_size]]
+            if self.do_lower_case:
+                batch = [t.lower() for t in batch]
+            inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
+            truncated += sum(bool(e.overflowing) for e in inputs.encodings)
+            hidden = self.model(**inputs).last_hidden_state
+            chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
+        if truncated:
+            log.warning(
+                "%d of %d texts had more than max_seq_length=%d tokens and were truncated to it: their embeddings "
+                "read only their first %d tokens",
+                truncated,
+                len(texts),
+                self.max_seq_length,
+                self.max_seq_length,
+            )
+        if chunks:
+            return torch.cat(chunks)
+        return torch.empty(0, len(self.pooling) * self.model.config.hidden_size, device=self.model.device)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Write the model (`BertModel.save_pretrained`: HF format, tokenizer files) and the

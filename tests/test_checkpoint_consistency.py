@@ -305,11 +305,13 @@ def test_ctrl_c_in_a_sentence_encoder_save_leaves_one_pipeline(tmp_path, minilm_
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.splitlines()[-1])
     texts = ["a gripping, funny film", "the plot never comes together"]
-    expected = SentenceEncoder.from_pretrained(minilm_path, pooling="cls", normalize=False).encode(texts)
+    expected = SentenceEncoder.from_pretrained(minilm_path, pooling="cls", normalize=False).encode(
+        texts, convert_to_tensor=True
+    )
     assert "interrupted" in results.values() and "completed" in results.values(), results
     for at in results:
         folder = tmp_path / f"at{at}"
         assert not [p.name for p in folder.iterdir() if ckpt.TEMPORARY.fullmatch(p.name)], at
         loaded = SentenceEncoder.from_pretrained(folder)
         assert (loaded.pooling, loaded.normalize) == (("cls",), False), f"rename {at}: the old pipeline survived"
-        torch.testing.assert_close(loaded.encode(texts), expected, atol=0, rtol=0)
+        torch.testing.assert_close(loaded.encode(texts, convert_to_tensor=True), expected, atol=0, rtol=0)

@@ -5,6 +5,7 @@ sentence-transformers files that save_pretrained and bert-port-convert keep."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -38,13 +39,15 @@ def test_follows_the_checkpoint_files(minilm_path):
 def test_encode_equals_sentence_transformers(minilm_path, st_reference):
     encoder = SentenceEncoder.from_pretrained(minilm_path)
     expected = _st_encode(st_reference)
-    actual = encoder.encode(TEXTS, batch_size=4)
+    actual = encoder.encode(TEXTS, batch_size=4, convert_to_tensor=True)
     assert actual.shape == (len(TEXTS), 384)
     torch.testing.assert_close(actual, expected, **TOL[torch.float32])
     torch.testing.assert_close(actual.norm(dim=1), torch.ones(len(TEXTS)), **TOL[torch.float32])
     # Order and batching do not matter; one bare string is one text, as in sentence-transformers.
-    torch.testing.assert_close(encoder.encode(TEXTS[::-1], batch_size=1), expected.flip(0), **TOL[torch.float32])
-    single = encoder.encode(TEXTS[0])
+    torch.testing.assert_close(
+        encoder.encode(TEXTS[::-1], batch_size=1, convert_to_tensor=True), expected.flip(0), **TOL[torch.float32]
+    )
+    single = encoder.encode(TEXTS[0], convert_to_tensor=True)
     assert single.shape == (384,)
     torch.testing.assert_close(single, st_reference.encode(TEXTS[0], convert_to_tensor=True), **TOL[torch.float32])
     # The pooler output is not this model's embedding.
@@ -56,6 +59,46 @@ def test_encode_equals_sentence_transformers(minilm_path, st_reference):
     assert (torch.nn.functional.normalize(pooled, dim=1) - expected[:3]).abs().max() > 0.1
 
 
+def test_encode_returns_what_sentence_transformers_returns(minilm_path, st_reference):
+    """numpy float32 by default, a list of (D,) tensors with neither conversion, and one
+    (D,) row for a bare string: the types and values of sentence-transformers' `encode`."""
+    import numpy as np
+
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    array, theirs = encoder.encode(TEXTS, batch_size=4), st_reference.encode(TEXTS, batch_size=4)
+    assert isinstance(array, np.ndarray) and array.dtype == theirs.dtype == np.float32
+    assert array.shape == theirs.shape == (len(TEXTS), 384)
+    torch.testing.assert_close(torch.from_numpy(array), torch.from_numpy(theirs), **TOL[torch.float32])
+    rows = encoder.encode(TEXTS, convert_to_numpy=False)
+    assert isinstance(rows, list) and len(rows) == len(TEXTS) and all(r.shape == (384,) for r in rows)
+    torch.testing.assert_close(torch.stack(rows), torch.from_numpy(array), **TOL[torch.float32])
+    single = encoder.encode(TEXTS[1])
+    assert isinstance(single, np.ndarray) and single.shape == (384,)
+
+
+def test_encode_says_how_many_texts_it_truncated(minilm_path, caplog):
+    """TEXTS holds two texts over max_seq_length (256) tokens: one warning names them, and
+    texts that fit give none."""
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    with caplog.at_level(logging.WARNING, logger="bert_port.sentence"):
+        encoder.encode(TEXTS, batch_size=3)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bert_port.sentence"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"2 of {len(TEXTS)} texts had more than max_seq_length=256")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bert_port.sentence"):
+        encoder.encode(REAL_SENTENCES)
+    assert not [r for r in caplog.records if r.name == "bert_port.sentence"]
+
+
+def test_encode_progress_bar(minilm_path, capsys):
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    encoder.encode(REAL_SENTENCES, batch_size=2, show_progress_bar=True)
+    err = capsys.readouterr().err
+    assert "Batches" in err and "3/3" in err
+    encoder.encode(REAL_SENTENCES, batch_size=2, show_progress_bar=False)
+    assert "Batches" not in capsys.readouterr().err
+
+
 def test_normalize_embeddings_as_sentence_transformers(minilm_path, st_reference):
     """`normalize_embeddings=False` (sentence-transformers' default) adds no normalisation and
     keeps the checkpoint's Normalize module; `normalize=False` at load drops that module;
@@ -64,16 +107,16 @@ def test_normalize_embeddings_as_sentence_transformers(minilm_path, st_reference
 
     texts = TEXTS[:4]
     encoder = SentenceEncoder.from_pretrained(minilm_path)
-    kept = encoder.encode(texts, normalize_embeddings=False)
+    kept = encoder.encode(texts, normalize_embeddings=False, convert_to_tensor=True)
     torch.testing.assert_close(kept, _st_encode(st_reference, texts, normalize_embeddings=False), **TOL[torch.float32])
     torch.testing.assert_close(kept.norm(dim=1), torch.ones(len(texts)), **TOL[torch.float32])
     # sentence-transformers without its Normalize module: the raw mean-pooled vectors.
     no_norm = SentenceTransformer(modules=[st_reference[0], st_reference[1]], device="cpu")
     raw_encoder = SentenceEncoder.from_pretrained(minilm_path, normalize=False)
-    raw = raw_encoder.encode(texts)
+    raw = raw_encoder.encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(raw, _st_encode(no_norm, texts), **TOL[torch.float32])
     assert (raw.norm(dim=1) - 1).abs().max() > 0.1
-    forced = raw_encoder.encode(texts, normalize_embeddings=True)
+    forced = raw_encoder.encode(texts, normalize_embeddings=True, convert_to_tensor=True)
     torch.testing.assert_close(forced, _st_encode(no_norm, texts, normalize_embeddings=True), **TOL[torch.float32])
 
 
@@ -99,7 +142,9 @@ def test_saved_model_and_converted_checkpoint_load_in_sentence_transformers(tmp_
             assert (out / file).read_bytes() == (minilm_path / file).read_bytes(), file
         reloaded = SentenceTransformer(str(out), device="cpu", local_files_only=True)
         torch.testing.assert_close(_st_encode(reloaded), expected, **TOL[torch.float32])
-        torch.testing.assert_close(SentenceEncoder.from_pretrained(out).encode(TEXTS), expected, **TOL[torch.float32])
+        torch.testing.assert_close(
+            SentenceEncoder.from_pretrained(out).encode(TEXTS, convert_to_tensor=True), expected, **TOL[torch.float32]
+        )
 
 
 def _plain_copy(minilm_path, directory):
@@ -156,7 +201,7 @@ def test_encoder_save_with_normalize_from_a_folder_without_it(tmp_path, minilm_p
     modules = json.loads((tmp_path / "out" / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
     reloaded = SentenceTransformer(str(tmp_path / "out"), device="cpu", local_files_only=True)
-    actual = encoder.encode(TEXTS)
+    actual = encoder.encode(TEXTS, convert_to_tensor=True)
     torch.testing.assert_close(actual, _st_encode(reloaded), **TOL[torch.float32])
     # sentence-transformers on the plain folder (its defaults: mean pooling), normalised on request.
     on_plain = SentenceTransformer(str(plain), device="cpu", local_files_only=True)
@@ -173,7 +218,7 @@ def test_encoder_save_writes_its_own_pipeline(tmp_path, minilm_path, pooling):
     reloaded = SentenceTransformer(str(tmp_path), device="cpu", local_files_only=True)
     assert reloaded.max_seq_length == 64
     texts = TEXTS[:7]  # one over max_seq_length
-    actual = encoder.encode(texts)
+    actual = encoder.encode(texts, convert_to_tensor=True)
     assert actual.shape == (len(texts), 384 * len(pooling))
     torch.testing.assert_close(actual, _st_encode(reloaded, texts), **TOL[torch.float32])
     again = SentenceEncoder.from_pretrained(tmp_path)
@@ -218,8 +263,12 @@ def test_older_folder_with_bert_in_a_module_folder(tmp_path, minilm_path, st_ref
     encoder = SentenceEncoder.from_pretrained(root, max_seq_length=None)
     assert encoder.normalize and encoder.max_seq_length == 256
     reference = SentenceTransformer(str(root), device="cpu", local_files_only=True)
-    torch.testing.assert_close(encoder.encode(TEXTS), _st_encode(reference), **TOL[torch.float32])
-    torch.testing.assert_close(encoder.encode(TEXTS), _st_encode(st_reference), **TOL[torch.float32])
+    torch.testing.assert_close(
+        encoder.encode(TEXTS, convert_to_tensor=True), _st_encode(reference), **TOL[torch.float32]
+    )
+    torch.testing.assert_close(
+        encoder.encode(TEXTS, convert_to_tensor=True), _st_encode(st_reference), **TOL[torch.float32]
+    )
 
     shutil.rmtree(root / "0_BERT")
     with pytest.raises(CheckpointError, match=r"Transformer module \(the BERT weights\) in 0_BERT/.*does not exist"):

@@ -22,7 +22,8 @@ TOKENIZER_FILES = (
 # settings, and module folders named `{index}_{Module}` (`1_Pooling`, `2_Normalize`).
 ST_MODULES = "modules.json"
 ST_CONFIG = "sentence_bert_config.json"
-ST_FILES = (ST_MODULES, ST_CONFIG, "config_sentence_transformers.json")
+ST_MODEL_CONFIG = "config_sentence_transformers.json"  # prompts; a CrossEncoder's activation_fn
+ST_FILES = (ST_MODULES, ST_CONFIG, ST_MODEL_CONFIG)
 ST_FOLDER = re.compile(r"\d+_\w+")
 
 # A staged write's files: its temporaries (`.{name}.XXXXXXXX.tmp`, the name's "/" spelt "__"

@@ -9,7 +9,15 @@ The output keeps every input column and adds:
   - multi-label classification: `predicted_labels`, the labels whose probability (sigmoid)
     is at least `--threshold` (joined by "|" in CSV/TSV, a list in JSONL), and each label's
     probability as above;
-  - regression: `predicted_value` (one output) or `predicted_<name>` per output.
+  - regression: `predicted_value` (one output) or `predicted_<name>` per output: the raw
+    output, or its sigmoid with `--activation sigmoid` (a cross-encoder's relevance score).
+    The default, `auto`, does what sentence-transformers' `CrossEncoder.predict` does: the
+    activation a sentence-transformers CrossEncoder saved with the checkpoint, else raw
+    (CrossEncoder itself falls back to sigmoid for any one-output model; a regression
+    model's value is no logit, so this command does not).
+
+The text columns default to those the model was trained with (its `training_config.json`),
+else `text` and no pair.
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ import sys
 from pathlib import Path
 
 from bert_port.cli import positive_int
+
+ACTIVATIONS = ("auto", "none", "sigmoid")
+# The activations of sentence-transformers' CrossEncoder configs that this command applies.
+_ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "none"}
 
 
 def _probability(text: str) -> float:
@@ -40,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="fine-tuned output directory or classifier checkpoint")
     parser.add_argument("--input", required=True, help="texts to classify: .csv, .tsv or .jsonl")
     parser.add_argument("--output", required=True, help="where to write predictions: .csv, .tsv or .jsonl")
-    parser.add_argument("--text-column", default="text", help="column holding the text (default 'text')")
-    parser.add_argument("--text-pair-column", default=None, help="column holding the second segment, if any")
+    parser.add_argument(
+        "--text-column", default=None, help="column holding the text (default: the training run's, else 'text')"
+    )
+    parser.add_argument(
+        "--text-pair-column",
+        default=None,
+        help="column holding the second segment (default: the training run's, if it had one)",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
     parser.add_argument(
         "--max-length",
@@ -56,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_probability,
         default=0.5,
         help="multi-label models: predict the labels whose probability is at least this (default 0.5)",
+    )
+    parser.add_argument(
+        "--activation",
+        choices=ACTIVATIONS,
+        default="auto",
+        help="regression (score) models: 'none' writes the raw output, 'sigmoid' its sigmoid; 'auto' (default) "
+        "follows the activation a CrossEncoder saved with the checkpoint, as CrossEncoder.predict does, else raw",
     )
     return parser
 
@@ -100,7 +125,10 @@ def _prepare(args: argparse.Namespace) -> dict:
         raise FinetuneError(
             f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
         )
-    dataset = load_texts(args.input, args.text_column, None, args.text_pair_column, keep_records=True)
+    trained = _trained_settings(Path(args.model))
+    text_column = args.text_column or trained.get("text_column") or "text"
+    pair_column = args.text_pair_column or trained.get("text_pair_column")
+    dataset = load_texts(args.input, text_column, None, pair_column, keep_records=True)
     config_file = locate_checkpoint(args.model).config_file
     config = BertConfig.from_json_file(config_file)
     if not config.id2label:
@@ -116,8 +144,9 @@ def _prepare(args: argparse.Namespace) -> dict:
             f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
             "predictions would overwrite; rename them in the input"
         )
-    max_length = args.max_length if args.max_length is not None else _trained_max_length(Path(args.model))
-    check_max_length(max_length, config.max_position_embeddings, pairs=args.text_pair_column is not None)
+    max_length = args.max_length if args.max_length is not None else _trained_max_length(trained, Path(args.model))
+    check_max_length(max_length, config.max_position_embeddings, pairs=pair_column is not None)
+    activation = _activation(args.activation, problem, _cross_encoder_activation(Path(config_file).parent, config))
     model = BertForSequenceClassification.from_pretrained(args.model)
     tokenizer = load_tokenizer(model.source_dir)
     try:
@@ -133,6 +162,7 @@ def _prepare(args: argparse.Namespace) -> dict:
         problem=problem,
         names=names,
         max_length=max_length,
+        activation=activation,
         model=model,
         tokenizer=tokenizer,
     )
@@ -145,6 +175,8 @@ def _run(args: argparse.Namespace, job: dict) -> int:
     model, dataset, problem, names, out = job["model"], job["dataset"], job["problem"], job["names"], job["out"]
     model.to(job["device"])
     scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
+    if job["activation"] == "sigmoid":
+        scores = scores.sigmoid()
     rows = [problem.prediction(names, row, args.threshold) for row in scores.tolist()]
     try:
         _write_predictions(out, dataset.records, rows)
@@ -169,22 +201,85 @@ def _write_predictions(out: Path, records: list[dict], rows: list[dict]) -> None
     write_records([{**record, **row} for record, row in zip(records, flat)], out, columns)
 
 
-def _trained_max_length(model_dir: Path) -> int:
-    """The max_length the model was fine-tuned with (its training_config.json), else 128."""
+def _trained_settings(model_dir: Path) -> dict:
+    """The settings the model was fine-tuned with (its training_config.json), or {}."""
     from bert_port.training import RESOLVED_CONFIG, FinetuneError
 
     path = model_dir / RESOLVED_CONFIG
     if not path.is_file():
-        return 128
+        return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))["max_length"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"cannot read max_length from {path} ({type(exc).__name__}: {exc}); pass --max-length explicitly"
+            f"cannot read {path} ({type(exc).__name__}: {exc}); pass --max-length and --text-column explicitly"
         ) from None
+    if not isinstance(settings, dict):
+        raise FinetuneError(f"{path} holds {type(settings).__name__}, not the settings of a fine-tuning run")
+    for key in ("text_column", "text_pair_column"):
+        if settings.get(key) is not None and not isinstance(settings[key], str):
+            raise FinetuneError(
+                f"{path} holds {key} {settings[key]!r}, not a column name; pass --{key.replace('_', '-')}"
+            )
+    return settings
+
+
+def _trained_max_length(settings: dict, model_dir: Path) -> int:
+    """The max_length the model was fine-tuned with, else 128."""
+    from bert_port.training import RESOLVED_CONFIG, FinetuneError
+
+    if not settings:
+        return 128
+    value = settings.get("max_length")
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise FinetuneError(f"{path} holds max_length {value!r}, not a positive integer; pass --max-length")
+        raise FinetuneError(
+            f"{model_dir / RESOLVED_CONFIG} holds max_length {value!r}, not a positive integer; pass --max-length"
+        )
     return value
+
+
+def _cross_encoder_activation(model_dir: Path, config) -> str | None:
+    """The activation a sentence-transformers CrossEncoder saved with this checkpoint, where
+    its releases keep it: `config_sentence_transformers.json` (6.x), config.json's
+    `sentence_transformers` (4.x, 5.x), `sbert_ce_default_activation_function` (older)."""
+    from bert_port.checkpoint import ST_MODEL_CONFIG
+
+    try:
+        st_config = json.loads((model_dir / ST_MODEL_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        st_config = {}
+    in_config = config.extra.get("sentence_transformers")
+    for found in (
+        st_config.get("activation_fn") if isinstance(st_config, dict) else None,
+        in_config.get("activation_fn") if isinstance(in_config, dict) else None,
+        config.extra.get("sbert_ce_default_activation_function"),
+    ):
+        if found is not None:
+            return found
+    return None
+
+
+def _activation(asked: str, problem, saved: str | None) -> str:
+    """'none' or 'sigmoid': what `--activation` comes to for this model (see the module doc);
+    `saved` is the CrossEncoder activation the checkpoint names, if any."""
+    from bert_port.problem import ProblemType
+    from bert_port.training import FinetuneError
+
+    if problem is not ProblemType.REGRESSION:
+        if asked != "auto":
+            raise FinetuneError(
+                f"--activation {asked} is for regression (score) models, and this one is {problem}: its outputs are "
+                "already probabilities. Drop --activation"
+            )
+        return "none"
+    if asked != "auto":
+        return asked
+    if saved is not None and saved not in _ST_ACTIVATIONS:
+        raise FinetuneError(
+            f"the checkpoint's CrossEncoder activation is {saved!r}, which this command does not apply (it applies "
+            "Sigmoid and Identity); pass --activation none or --activation sigmoid"
+        )
+    return _ST_ACTIVATIONS.get(saved, "none")
 
 
 if __name__ == "__main__":
