@@ -12,6 +12,8 @@ The bundled splits (`builtin_splits`; their sizes are in the README and checked 
     `ham` / `spam`. Windows-1252 punctuation decoded as Latin-1 (U+0080..U+009F) is decoded
     properly, then repeated messages are dropped (first kept), so no test message is in training.
   - **mr_scores**: the sentences of **mr**, in the same split, labelled with their score.
+  - **sms_ner**: the messages of **sms** in which rules (not annotators) find an entity, in
+    the same split, cut into words and tagged, for token classification (`bert_port.rule_ner`).
   The rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`: the first 80% are
   train, the next 10% validation, the rest test (`split_sizes`).
 """
@@ -34,7 +36,7 @@ from .checkpoint import atomic_write
 
 log = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = ("mr", "mr_scores", "sms")
+BUILTIN_DATASETS = ("mr", "mr_scores", "sms", "sms_ner")
 # How a label cell is read (`ProblemType.label_kind`): a class name, a number, a set of class names.
 LABEL_KINDS = {
     "class": ((str, int), "a string or an integer"),
@@ -106,6 +108,20 @@ def file_format(path: str | os.PathLike) -> str:
     return FORMATS[suffix]
 
 
+def read_text(path: Path) -> str:
+    """The text of a data file, or `DataError` when it is missing, a folder, unreadable or not UTF-8."""
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a data file; pass the path of a data file")
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; check the path given to --train/--validation/--test")
+    try:
+        return path.read_text(encoding="utf-8-sig")  # -sig: tolerate the BOM that spreadsheet exports add
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 ({exc}); re-save it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror}); check its permissions") from None
+
+
 def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
     """Rows of a CSV (header row), TSV (header row) or JSONL file as dicts, with the line
     number of each. Raises `DataError` for a missing, unreadable, empty or malformed file.
@@ -114,16 +130,7 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
     that silently runs to the end of the file, and a field may be as long as the file."""
     path = Path(path)
     fmt = file_format(path)
-    if path.is_dir():
-        raise DataError(f"{path} is a directory, not a data file; pass the path of a .csv, .tsv or .jsonl file")
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist; check the path given to --train/--validation/--test")
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate the BOM that spreadsheet exports add
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 ({exc}); re-save it as UTF-8") from None
-    except OSError as exc:
-        raise DataError(f"cannot read {path} ({exc.strerror}); check its permissions") from None
+    text = read_text(path)
     records: list[dict] = []
     lines: list[int] = []
     if fmt == "jsonl":
@@ -435,7 +442,11 @@ def load_sms() -> TextDataset:
 
 
 def builtin_splits(name: str) -> dict[str, TextDataset]:
-    """The fixed train/validation/test split of a bundled dataset (`mr`, `mr_scores` or `sms`)."""
+    """The fixed train/validation/test split of a bundled dataset (`BUILTIN_DATASETS`)."""
+    if name == "sms_ner":  # the sms split, tagged by rules and filtered (a `tagged.TaggedDataset` per split)
+        from .rule_ner import sms_ner_splits
+
+        return sms_ner_splits()
     loaders = {"mr": load_mr, "mr_scores": lambda: load_mr(scores=True), "sms": load_sms}
     if name not in loaders:
         raise DataError(f"unknown bundled dataset {name!r}; choose one of {', '.join(BUILTIN_DATASETS)}")
@@ -445,6 +456,7 @@ def builtin_splits(name: str) -> dict[str, TextDataset]:
 
 def export_builtin(name: str, directory: str | os.PathLike) -> dict[str, Path]:
     """Write `train.csv`, `validation.csv`, `test.csv` (columns `text`, `label`) of a
-    bundled dataset into `directory`; returns the paths by split."""
-    directory = Path(directory)
-    return {split: write_texts(ds, directory / f"{split}.csv") for split, ds in builtin_splits(name).items()}
+    bundled dataset into `directory` (`.conll` files for `sms_ner`); returns the paths by split."""
+    from .tagged import write_split
+
+    return {split: write_split(ds, Path(directory), split) for split, ds in builtin_splits(name).items()}

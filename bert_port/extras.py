@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("plot", "plots"),
     "tensorboard": ("tensorboard", "--report-to tensorboard"),
     "ray": ("ray", "the Ray Data embedder (bert_port.embed.ray_data)"),
+    "seqeval": ("ner", "the entity-level metrics of token classification"),
 }
 
 

@@ -1,5 +1,6 @@
 """The validation metrics of each problem type, from counts that add up across batches and
-processes (so memory stays O(labels), never O(examples x labels) except for regression):
+processes (so memory stays O(labels), never O(examples x labels) except for regression and
+token classification, whose metrics need every prediction):
 
   - single-label classification: accuracy, macro-F1, per-class precision / recall / F1 and
     the confusion matrix (`metrics_from_counts`, accumulated by `ClassCounts`);
@@ -7,7 +8,9 @@ processes (so memory stays O(labels), never O(examples x labels) except for regr
     (`regression_metrics`, from every prediction: `Predictions`);
   - multi-label classification: a label is predicted when its sigmoid is >= 0.5 (logit >= 0);
     micro-F1, macro-F1, exact match (every label of the example right) and per-class figures
-    (`multi_label_metrics`, accumulated by `MultiLabelCounts`).
+    (`multi_label_metrics`, accumulated by `MultiLabelCounts`);
+  - token classification: entity-level precision / recall / F1 and token accuracy, by seqeval
+    (`tagging_metrics`, from every sentence's tags: `TagSequences`).
 
 `bert_port.problem.ProblemType` picks the accumulator of a problem type. An accumulator's
 `finish(loss_sum, names, reduce)` sums its counts over processes with `reduce.sum` and
@@ -16,6 +19,7 @@ processes (so memory stays O(labels), never O(examples x labels) except for regr
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -203,3 +207,61 @@ class Predictions:
         predictions = torch.tensor([x for p, _ in gathered for x in p], dtype=torch.float64)
         targets = torch.tensor([x for _, t in gathered for x in t], dtype=torch.float64)
         return regression_metrics(predictions, targets, loss_sum)
+
+
+def tagging_metrics(true: list[list[str]], predicted: list[list[str]], loss_sum: float) -> dict[str, Any]:
+    """Entity-level precision, recall and F1 (micro over entities, and per type) and token
+    accuracy, as seqeval computes them in its default (conlleval) mode, which is what
+    transformers' token-classification example reports (`evaluate`'s seqeval metric):
+    `true` and `predicted` hold each sentence's tags at its tagged positions. Per-type
+    figures are kept up to `DETAIL_MAX_CLASSES` types."""
+    from .extras import require
+
+    require("seqeval", "the entity-level metrics of token classification")
+    from seqeval.metrics import accuracy_score, classification_report
+
+    n, words = len(true), sum(map(len, true))
+    with warnings.catch_warnings():  # its macro average of no entity type is NaN with a warning; dropped below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = classification_report(true, predicted, output_dict=True, zero_division=0) if words else {}
+    micro = report.get("micro avg", {"precision": 0.0, "recall": 0.0, "f1-score": 0.0, "support": 0})
+    types = {k: v for k, v in report.items() if not k.endswith(" avg")}
+    result: dict[str, Any] = {
+        "loss": loss_sum / n,
+        "entity_f1": float(micro["f1-score"]),
+        "token_accuracy": float(accuracy_score(true, predicted)) if words else 0.0,
+        "entity_precision": float(micro["precision"]),
+        "entity_recall": float(micro["recall"]),
+        "n": n,
+        "entities": int(micro["support"]),
+    }
+    if len(types) <= DETAIL_MAX_CLASSES:
+        result["per_type"] = {
+            name: {key: float(v[key]) for key in ("precision", "recall")}
+            | {"f1": float(v["f1-score"]), "support": int(v["support"])}
+            for name, v in sorted(types.items())
+        }
+    return result
+
+
+class TagSequences:
+    """Token classification: each sentence's true and predicted tag ids at its tagged positions
+    (labels >= 0: -100 marks word pieces that carry no word's tag), since entity-level scores
+    need whole sequences; memory O(words). The tags of every process are gathered, then scored."""
+
+    def __init__(self, k: int, device: torch.device):
+        self.true: list[list[int]] = []
+        self.predicted: list[list[int]] = []
+
+    def add(self, logits: Tensor, labels: Tensor) -> None:
+        guess, labels = logits.argmax(-1).cpu(), labels.cpu()  # (B, T)
+        for g, y in zip(guess, labels):
+            keep = y >= 0
+            self.true.append(y[keep].tolist())
+            self.predicted.append(g[keep].tolist())
+
+    def finish(self, loss_sum: float, names: list[str], d: Reduce) -> dict[str, Any]:
+        gathered = d.gather((self.true, self.predicted))
+        true = [[names[i] for i in s] for t, _ in gathered for s in t]
+        predicted = [[names[i] for i in s] for _, p in gathered for s in p]
+        return tagging_metrics(true, predicted, loss_sum)

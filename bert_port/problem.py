@@ -1,11 +1,15 @@
-"""The three problem types of transformers' `BertForSequenceClassification`, defined once.
+"""The problem types of the fine-tuning recipe, defined once: the three of transformers'
+`BertForSequenceClassification`, and token classification (`BertForTokenClassification`, NER).
 
 `ProblemType` is a `str` enum whose values are transformers' strings, as they stand in
-`config.json` and on the command line (`--problem-type`). Each member owns everything that
-differs between the three:
+`config.json` and on the command line (`--problem-type`). `token_classification` is bert_port's
+own: transformers' token classifier has no `problem_type`, so its `config.json` leaves it unset
+and `of_config` tells it by its `architectures`. Each member owns everything that differs
+between them:
 
   - its loss (`loss`: per example, (B,); `batch_loss`: transformers' mean for a batch);
-  - how its labels are read (`label_kind`, the reader `bert_port.data.load_texts` applies),
+  - how its labels are read (`label_kind`, the reader `bert_port.data.load_texts` applies;
+    token classification reads word tags with `bert_port.tagged.load_tagged`),
     named (`label_names`), checked against training (`check_labels`) and turned into
     targets (`targets`);
   - its metrics (`metrics`, the first the default `--metric-for-best`; `headline`; the
@@ -18,6 +22,7 @@ differs between the three:
 from __future__ import annotations
 
 import enum
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .data import LABEL_SEPARATOR, DataError, TextDataset, label_names, label_set
-from .metrics import ClassCounts, MultiLabelCounts, Predictions
+from .metrics import ClassCounts, MultiLabelCounts, Predictions, TagSequences
+from .tagged import TaggedDataset, entity_types, tag_names
 
 IGNORE_INDEX = -100  # cross_entropy's default: a label to leave out of the loss
 
@@ -63,6 +69,15 @@ class ProblemType(str, enum.Enum):
         ("micro_f1", "macro_f1", "exact_match", "loss"),
         MultiLabelCounts,
     )
+    TOKEN_CLASSIFICATION = (
+        "token_classification",
+        "token",
+        "a BIO tag per word (NER), cross-entropy on each word's first word piece",
+        "tags",
+        "cross-entropy",
+        ("entity_f1", "token_accuracy", "entity_precision", "entity_recall", "loss"),
+        TagSequences,
+    )
 
     def __new__(cls, value: str, short: str, help: str, label_kind: str, loss_name: str, metrics, accumulator):
         member = str.__new__(cls, value)
@@ -87,7 +102,10 @@ class ProblemType(str, enum.Enum):
 
     @classmethod
     def of_config(cls, config) -> ProblemType:
-        """A config's problem type, or transformers' guess from its number of outputs."""
+        """A config's problem type: token classification by its architecture, else its
+        `problem_type`, or transformers' guess from its number of outputs."""
+        if any(str(a).endswith("ForTokenClassification") for a in config.extra.get("architectures") or ()):
+            return cls.TOKEN_CLASSIFICATION
         if config.problem_type:
             return cls(config.problem_type)
         return cls.REGRESSION if config.num_labels == 1 else cls.SINGLE_LABEL
@@ -114,7 +132,17 @@ class ProblemType(str, enum.Enum):
         """The loss of each example, (B,), such that its mean is transformers' loss for the
         batch: MSE (averaged over outputs), cross-entropy, or BCE-with-logits (averaged over
         labels). The training loop sums these over a global batch, so that gradient
-        accumulation and several processes give the same gradient as one large batch."""
+        accumulation and several processes give the same gradient as one large batch.
+
+        Token classification: logits (B, T, K), labels (B, T) with -100 on the positions that
+        carry no tag; each sentence's loss is its mean cross-entropy over its tagged positions,
+        so every sentence weighs the same in a step whatever its length, and the gradient does
+        not depend on how the global batch is split (transformers' mean over a batch's tokens does)."""
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            per_token = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(labels.shape)  # (B, T), 0 where ignored
+            return per_token.sum(-1) / (labels != IGNORE_INDEX).sum(-1).clamp(min=1)
         if self is ProblemType.REGRESSION:
             if logits.shape[-1] == 1:  # HF squeezes a single output
                 return F.mse_loss(logits.squeeze(-1), labels.reshape(-1).to(logits.dtype), reduction="none")
@@ -125,7 +153,10 @@ class ProblemType(str, enum.Enum):
 
     def batch_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """transformers' loss of a batch, a 0-d tensor: the mean of `loss`, except that
-        single-label rows labelled -100 count neither in the sum nor the mean."""
+        single-label rows labelled -100 count neither in the sum nor the mean, and token
+        classification takes the mean over every tagged position of the batch."""
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
         per_example = self.loss(logits, labels)
         if self is ProblemType.SINGLE_LABEL:
             return per_example.sum() / (labels.view(-1) != IGNORE_INDEX).sum()
@@ -135,17 +166,22 @@ class ProblemType(str, enum.Enum):
 
     def label_names(self, dataset: TextDataset, label_column: str) -> list[str]:
         """The label map, id -> name: the classes (single-label), the union of the label sets
-        (multi-label), or the one output, named after the label column (regression)."""
+        (multi-label), or the one output, named after the label column (regression), or the
+        tags (token classification, `tagged.tag_names`)."""
         if self is ProblemType.REGRESSION:
             return [label_column]
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            return tag_names(tag for tags in dataset.labels for tag in tags)
         if self is ProblemType.MULTI_LABEL:
             return label_names([name for label in dataset.labels for name in label_set(label)])
         return label_names(dataset.labels)
 
-    def _members(self, label: str) -> list[str]:
+    def _members(self, label: str | list[str]) -> list[str]:
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            return label  # a sentence's tags
         return label_set(label) if self is ProblemType.MULTI_LABEL else [label]
 
-    def check_labels(self, dataset: TextDataset, names: Sequence[str], split: str) -> None:
+    def check_labels(self, dataset: TextDataset | TaggedDataset, names: Sequence[str], split: str) -> None:
         """Every label of `dataset` must be one the model was trained on (regression: any number)."""
         if self is ProblemType.REGRESSION:
             return
@@ -156,8 +192,10 @@ class ProblemType(str, enum.Enum):
                 name: next(r for r, lab in zip(dataset.rows, dataset.labels) if name in self._members(lab))
                 for name in unseen
             }
+            tagged = isinstance(dataset, TaggedDataset)
+            unit, where = ("word(s)", "in the sentence at line") if tagged else ("row(s)", "at line")
             listed = ", ".join(
-                f"{label!r} ({n} row(s), first at line {first[label]})" for label, n in unseen.most_common()
+                f"{label!r} ({n} {unit}, first {where} {first[label]})" for label, n in unseen.most_common()
             )
             raise DataError(
                 f"{dataset.source}: the {split} data has label(s) never seen in training: {listed}. Training labels "
@@ -166,7 +204,12 @@ class ProblemType(str, enum.Enum):
 
     def check_label_map(self, names: Sequence[str], source: str) -> None:
         """The training labels must make a model: two classes at least (single-label), one
-        label at least (multi-label)."""
+        label at least (multi-label), one entity tag at least (token classification)."""
+        if self is ProblemType.TOKEN_CLASSIFICATION and not entity_types(names):
+            raise DataError(
+                f"{source}: every training word is tagged {names[0]!r}; a tagger needs words tagged B-TYPE "
+                "(and I-TYPE) to learn from"
+            )
         if self is ProblemType.SINGLE_LABEL and len(names) < 2:
             raise DataError(
                 f"{source}: every training example has the label {names[0]!r}; a classifier needs "
@@ -175,9 +218,14 @@ class ProblemType(str, enum.Enum):
         if not names:
             raise DataError(f"{source}: no training example has any label; a multi-label classifier needs some")
 
-    def targets(self, dataset: TextDataset, names: Sequence[str]) -> Tensor:
+    def targets(self, dataset: TextDataset | TaggedDataset, names: Sequence[str]) -> Tensor | list[Tensor]:
         """The training targets of every example, as transformers' losses take them: class
-        ids (N,) long; values (N,) float (regression); multi-hot (N, K) float (multi-label)."""
+        ids (N,) long; values (N,) float (regression); multi-hot (N, K) float (multi-label);
+        for token classification, each sentence's tag ids per word (n_words,) long, which the
+        collator puts on word pieces (`training.batching.align_labels`)."""
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            index = {name: i for i, name in enumerate(names)}
+            return [torch.tensor([index[tag] for tag in tags], dtype=torch.long) for tags in dataset.labels]
         if self is ProblemType.REGRESSION:
             return torch.tensor([float(label) for label in dataset.labels], dtype=torch.float32)
         index = {name: i for i, name in enumerate(names)}
@@ -192,8 +240,9 @@ class ProblemType(str, enum.Enum):
 
     def scores(self, logits: Tensor) -> Tensor:
         """What a prediction reports, (N, K): class probabilities (softmax), per-label
-        probabilities (sigmoid), or the predicted values (regression)."""
-        if self is ProblemType.SINGLE_LABEL:
+        probabilities (sigmoid), or the predicted values (regression); (..., K) tag
+        probabilities per word piece (softmax) for token classification."""
+        if self in (ProblemType.SINGLE_LABEL, ProblemType.TOKEN_CLASSIFICATION):
             return logits.softmax(-1)
         if self is ProblemType.MULTI_LABEL:
             return logits.sigmoid()
@@ -201,6 +250,8 @@ class ProblemType(str, enum.Enum):
 
     def output_columns(self, names: Sequence[str]) -> list[str]:
         """The columns a prediction adds (CSV/TSV and JSONL alike, so either clash is refused)."""
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            return ["entities"]
         if self is ProblemType.REGRESSION:
             return ["predicted_value"] if len(names) == 1 else [f"predicted_{n}" for n in names]
         head = "predicted_labels" if self is ProblemType.MULTI_LABEL else "predicted_label"
@@ -221,7 +272,12 @@ class ProblemType(str, enum.Enum):
         return {"predicted_label": names[best], "probabilities": probabilities}
 
     def summary(self, names: Sequence[str], rows: list[dict[str, Any]]) -> str:
-        """One line on a file of predictions: the range of values, or the count per label."""
+        """One line on a file of predictions: the range of values, or the count per label
+        (token classification: of the entities found, by type)."""
+        if self is ProblemType.TOKEN_CLASSIFICATION:
+            found = Counter(e.get("entity_group", e.get("entity")) for r in rows for e in r["entities"])
+            listed = ", ".join(f"{kind}: {n}" for kind, n in sorted(found.items()))
+            return f"{sum(found.values())} entities" + (f" ({listed})" if listed else "")
         if self is ProblemType.REGRESSION:
             key = next(iter(rows[0])) if rows else "predicted_value"
             values = [r[key] for r in rows]
@@ -232,10 +288,13 @@ class ProblemType(str, enum.Enum):
 
 
 def flat_prediction(prediction: Mapping[str, Any]) -> dict[str, Any]:
-    """A prediction as CSV/TSV columns: `prob_<label>` columns, label lists joined by "|"."""
+    """A prediction as CSV/TSV columns: `prob_<label>` columns, label lists joined by "|",
+    entities as JSON."""
     flat = {k: v for k, v in prediction.items() if k != "probabilities"}
     if "predicted_labels" in flat:
         flat["predicted_labels"] = LABEL_SEPARATOR.join(flat["predicted_labels"])
+    if "entities" in flat:  # a token classifier's: a JSON list in one cell
+        flat["entities"] = json.dumps(flat["entities"], ensure_ascii=False)
     flat.update({f"prob_{n}": p for n, p in prediction.get("probabilities", {}).items()})
     return flat
 

@@ -143,6 +143,30 @@ def _as_texts(texts: str | Sequence[str], name: str) -> list[str]:
     return texts
 
 
+def _as_word_lists(texts: Sequence[str] | Sequence[Sequence[str]], name: str) -> list[list[str]]:
+    """A list of words is one pre-split text; a list of such lists, a batch (as transformers)."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        problem = f"must be a list of words or a list of word lists, not {type(texts).__name__}"
+    else:
+        texts = list(texts)
+        if texts and all(isinstance(t, str) for t in texts):
+            return [texts]
+        problem = _word_lists_problem(texts)
+    if problem:
+        raise ValueError(f"with is_split_into_words=True, {name} {problem}")
+    return [list(words) for words in texts]
+
+
+def _word_lists_problem(texts: list) -> str | None:
+    for i, words in enumerate(texts):
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            return f"item {i} is {type(words).__name__}; give every text as a list of words"
+        bad = next((j for j, w in enumerate(words) if not isinstance(w, str)), None)
+        if bad is not None:
+            return f"item {i}, word {bad} is {type(words[bad]).__name__}; words are strings"
+    return None
+
+
 def encode(
     tokenizer: Tokenizer,
     texts: str | Sequence[str],
@@ -150,6 +174,7 @@ def encode(
     max_length: int | None = None,
     pad_to: int | None = None,
     return_offsets_mapping: bool = False,
+    is_split_into_words: bool = False,
 ) -> BatchEncoding:
     """Tokenize a batch: `input_ids`, `token_type_ids`, `attention_mask` as (B, T) long
     tensors, padded on the right to the longest sequence (or `pad_to`), truncated to
@@ -158,10 +183,16 @@ def encode(
     A bare string is one text (and one pair). `return_offsets_mapping` adds
     `offset_mapping`, (B, T, 2) character spans into the text (0, 0 for special tokens and
     padding), as transformers does; take it out before `model(**batch)`. `word_ids(i)` of
-    the result gives the word of each token, for token classification."""
-    texts = _as_texts(texts, "texts")
+    the result gives the word of each token, for token classification.
+
+    `is_split_into_words=True`: each text is a list of words (one list: one text), as
+    transformers' fast tokenizer takes it: each word is still split by the pre-tokenizer
+    ("isn't" -> isn ' t), but `word_ids` index the given words, and offsets are character
+    spans within each word."""
+    as_texts = _as_word_lists if is_split_into_words else _as_texts
+    texts = as_texts(texts, "texts")
     if pairs is not None:
-        pairs = _as_texts(pairs, "pairs")
+        pairs = as_texts(pairs, "pairs")
         if len(pairs) != len(texts):
             raise ValueError(f"pairs has {len(pairs)} texts and texts {len(texts)}; give one pair per text")
     if not texts:
@@ -173,7 +204,7 @@ def encode(
     tokenizer.enable_truncation(max_length=max_length)
     try:
         inputs = list(zip(texts, pairs)) if pairs is not None else texts
-        encodings = tokenizer.encode_batch(inputs)
+        encodings = tokenizer.encode_batch(inputs, is_pretokenized=is_split_into_words)
     finally:
         if previous:
             tokenizer.enable_truncation(**previous)

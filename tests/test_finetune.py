@@ -395,7 +395,7 @@ def test_shipped_configs_are_valid():
         settings = load_config_file(path)
         cfg = FinetuneConfig(**settings)
         cfg.validate()
-        assert cfg.dataset in ("mr", "mr_scores", "sms") and cfg.output_dir.startswith("runs/")
+        assert cfg.dataset in ("mr", "mr_scores", "sms", "sms_ner") and cfg.output_dir.startswith("runs/")
 
 
 def test_flags_override_the_config_file(tmp_path):

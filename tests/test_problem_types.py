@@ -292,11 +292,12 @@ def test_torchrun_regression_two_processes_equal_one(tmp_path, files, ckpt):
 
 def test_one_problem_type_gives_the_cli_choices_and_the_config_strings():
     """`ProblemType` is the one definition: its values are transformers' strings (in
-    config.json and on the command line), and `--problem-type` offers exactly them."""
+    config.json and on the command line), and `--problem-type` offers exactly them, with
+    bert_port's own `token_classification` (which no config.json holds: tests/test_token_classification.py)."""
     from bert_port.cli import finetune as finetune_cli
     from bert_port.problem import ProblemType
 
-    strings = ("regression", "single_label_classification", "multi_label_classification")
+    strings = ("regression", "single_label_classification", "multi_label_classification", "token_classification")
     assert ProblemType.choices() == strings and all(ProblemType(s).value == s for s in strings)
     flags = {a.dest: a for a in finetune_cli.build_parser()._actions}
     assert tuple(flags["problem_type"].choices) == strings

@@ -78,3 +78,59 @@ def test_bad_texts_are_refused(tokenizers):
         encode(ours, ["a", 3])
     with pytest.raises(ValueError, match="no texts"):
         encode(ours, [])
+
+
+# is_split_into_words: words as given (token classification), against transformers' fast tokenizer
+SPLIT = [
+    ["Isn't", "it", "naïve", "to", "call", "0800", "169", "6031", "at", "8am", "?"],
+    ["unbelievably", "tokenized", "words", "", "£1.50", "☃", "Ünïcödé", "中文"],
+    ["ok"],
+]
+
+
+def test_split_into_words_matches_transformers(tokenizers):
+    ours, ref = tokenizers
+    batch = encode(ours, SPLIT, is_split_into_words=True, return_offsets_mapping=True)
+    expected = ref(SPLIT, is_split_into_words=True, padding=True, return_offsets_mapping=True, return_tensors="pt")
+    assert_same_batch(batch, expected)
+    # Offsets are spans within each word, as transformers gives them for pre-split input.
+    assert torch.equal(batch["offset_mapping"], expected["offset_mapping"])
+    for i in range(len(SPLIT)):
+        assert batch.word_ids(i) == expected.word_ids(i)
+        assert batch.tokens(i) == expected.tokens(i)
+    # The given words, not the pre-tokenizer's: "Isn't" is word 0 for its 3 pieces, "it" word 1.
+    assert batch.tokens(0)[1:5] == ["isn", "'", "t", "it"] and batch.word_ids(0)[1:5] == [0, 0, 0, 1]
+    assert encode(ours, "Isn't it").word_ids(0)[1:5] == [0, 1, 2, 3]  # plain text: the pre-tokenizer's words
+    assert 3 not in batch.word_ids(1)  # the empty word has no piece
+
+
+def test_split_into_words_one_list_pairs_and_truncation(tokenizers):
+    ours, ref = tokenizers
+    one = encode(ours, SPLIT[0], is_split_into_words=True)  # one list of words is one text
+    assert_same_batch(one, ref(SPLIT[0], is_split_into_words=True, return_tensors="pt"))
+    pairs = encode(ours, SPLIT[:2], SPLIT[1:], is_split_into_words=True, max_length=12)
+    expected = ref(
+        SPLIT[:2],
+        SPLIT[1:],
+        is_split_into_words=True,
+        padding=True,
+        truncation=True,
+        max_length=12,
+        return_tensors="pt",
+    )
+    assert_same_batch(pairs, expected)
+    assert [pairs.word_ids(i) for i in range(2)] == [expected.word_ids(i) for i in range(2)]
+
+
+@pytest.mark.parametrize(
+    "texts, message",
+    [
+        ("a text", "must be a list of words or a list of word lists, not str"),
+        ([["a", 1]], "item 0, word 1 is int; words are strings"),
+        ([["a"], "b"], "item 1 is str; give every text as a list of words"),
+        ([], "no texts"),
+    ],
+)
+def test_split_into_words_refuses_other_shapes(tokenizers, texts, message):
+    with pytest.raises(ValueError, match=message):
+        encode(tokenizers[0], texts, is_split_into_words=True)

@@ -1,4 +1,4 @@
-"""`bert-port-finetune`: fine-tune a BERT checkpoint as a text classifier.
+"""`bert-port-finetune`: fine-tune a BERT checkpoint as a text classifier or a word tagger (NER).
 
     bert-port-finetune --config finetune_mr_minilm          (a bundled recipe, by name; or any JSON file)
     bert-port-finetune --config finetune_mr_minilm --eval-steps 10 --early-stopping-patience 3 \\
@@ -6,6 +6,8 @@
     bert-port-finetune --dataset mr_scores --problem-type regression --output-dir runs/scores
     bert-port-finetune --train tags.jsonl --problem-type multi_label_classification --output-dir runs/tags
     bert-port-finetune --train train.csv --validation dev.csv --label-column sentiment --output-dir runs/x
+    bert-port-finetune --train ner.conll --problem-type token_classification --output-dir runs/ner
+    bert-port-finetune --config finetune_ner_sms_minilm     (NER on SMS messages tagged by rules)
     torchrun --nproc_per_node 2 -m bert_port.cli.finetune --config ...     (DDP; same results)
     bert-port-finetune --config ... --resume                                (continue an interrupted run)
     bert-port-finetune --config ... --reference hf --output-dir runs/hf --compare-to runs/port
@@ -39,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(finetune_mr_minilm, finetune_sms_minilm, ...); flags win",
     )
     parser.add_argument(
-        "--export-dataset", metavar="DIR", help="with --dataset: write its train/validation/test split as CSV into DIR"
+        "--export-dataset",
+        metavar="DIR",
+        help="with --dataset: write its train/validation/test split as CSV (CoNLL for sms_ner) into DIR",
     )
     for f in dataclasses.fields(FinetuneConfig):
         kind, _ = field_kind(f)
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bert_port.checkpoint import CheckpointError
     from bert_port.config import ConfigError
-    from bert_port.data import DataError, export_builtin
+    from bert_port.data import BUILTIN_DATASETS, DataError, export_builtin
     from bert_port.extras import MissingExtra
     from bert_port.training import FinetuneError, finetune
 
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args)
         if args.export_dataset:
             if not cfg.dataset:
-                raise FinetuneError("--export-dataset needs --dataset mr|mr_scores|sms")
+                raise FinetuneError(f"--export-dataset needs --dataset {'|'.join(BUILTIN_DATASETS)}")
             for split, path in export_builtin(cfg.dataset, args.export_dataset).items():
                 print(f"{split}: {path}")
             return 0

@@ -16,6 +16,14 @@ The output keeps every input column and adds:
     (CrossEncoder itself falls back to sigmoid for any one-output model; a regression
     model's value is no logit, so this command does not).
 
+  - token classification (NER): `entities`, each with `entity_group`, `score`, `word`, `start`,
+    `end` (`--aggregation-strategy`, as transformers' token-classification pipeline; a JSON
+    list in CSV/TSV cells), and `text` for a pre-split input (its words joined by spaces,
+    which `start` and `end` index). A tagger also reads plain text (.txt, one text per line),
+    CoNLL (.conll: the words; a tag column is ignored) and JSONL `tokens` lists.
+
+    bert-port-predict --model runs/finetune_ner_sms_minilm --input messages.txt --output entities.jsonl
+
 The text columns default to those the model was trained with (its `training_config.json`),
 else `text` and no pair.
 """
@@ -50,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bert-port-predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, help="fine-tuned output directory or classifier checkpoint")
-    parser.add_argument("--input", required=True, help="texts to classify: .csv, .tsv or .jsonl")
+    parser.add_argument(
+        "--input",
+        required=True,
+        help="texts to classify: .csv, .tsv or .jsonl; a token classifier also reads .txt and .conll",
+    )
     parser.add_argument("--output", required=True, help="where to write predictions: .csv, .tsv or .jsonl")
     parser.add_argument(
         "--text-column", default=None, help="column holding the text (default: the training run's, else 'text')"
@@ -81,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="regression (score) models: 'none' writes the raw output, 'sigmoid' its sigmoid; 'auto' (default) "
         "follows the activation a CrossEncoder saved with the checkpoint, as CrossEncoder.predict does, else raw",
+    )
+    parser.add_argument(
+        "--aggregation-strategy",
+        choices=("none", "simple", "first", "average", "max"),  # bert_port.entities.AGGREGATION_STRATEGIES
+        default=None,
+        help="token-classification models: how word pieces become entities, as transformers' pipeline "
+        "(default first: the recipe trains each word's first piece; none: one entry per word piece)",
     )
     return parser
 
@@ -125,6 +144,8 @@ def _prepare(args: argparse.Namespace) -> dict:
         raise FinetuneError(
             f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
         )
+    if _tagger(args):
+        return _prepare_tagging(args, device, out)
     trained = _trained_settings(Path(args.model))
     text_column = args.text_column or trained.get("text_column") or "text"
     pair_column = args.text_pair_column or trained.get("text_pair_column")
@@ -149,12 +170,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     activation = _activation(args.activation, problem, _cross_encoder_activation(Path(config_file).parent, config))
     model = BertForSequenceClassification.from_pretrained(args.model)
     tokenizer = load_tokenizer(model.source_dir)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FinetuneError(
-            f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
-        ) from None
+    _output_folder(out)
     return dict(
         device=device,
         out=out,
@@ -172,6 +188,8 @@ def _run(args: argparse.Namespace, job: dict) -> int:
     """Predict every row and write the file; a disk or OS error while writing is exit 1."""
     from bert_port.training import predict
 
+    if "inputs" in job:
+        return _run_tagging(args, job)
     model, dataset, problem, names, out = job["model"], job["dataset"], job["problem"], job["names"], job["out"]
     model.to(job["device"])
     scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
@@ -184,6 +202,88 @@ def _run(args: argparse.Namespace, job: dict) -> int:
         print(f"error: cannot write {out}: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)})")
+    return 0
+
+
+def _tagger(args: argparse.Namespace) -> bool:
+    """Whether --model is a token classifier; `--aggregation-strategy` is refused for any other."""
+    from bert_port.checkpoint import locate_checkpoint
+    from bert_port.config import BertConfig
+    from bert_port.problem import ProblemType
+    from bert_port.training import FinetuneError
+
+    problem = ProblemType.of_config(BertConfig.from_json_file(locate_checkpoint(args.model).config_file))
+    if problem is not ProblemType.TOKEN_CLASSIFICATION and args.aggregation_strategy is not None:
+        raise FinetuneError(
+            f"--aggregation-strategy applies to token-classification models, and {args.model} is a {problem} "
+            "model; drop the flag"
+        )
+    return problem is ProblemType.TOKEN_CLASSIFICATION
+
+
+def _prepare_tagging(args: argparse.Namespace, device, out: Path) -> dict:
+    """A token classifier's job: its inputs (`tagged.read_tagging_inputs`), model, tokenizer, tags."""
+    from bert_port.checkpoint import locate_checkpoint
+    from bert_port.config import BertConfig
+    from bert_port.data import DataError
+    from bert_port.heads import BertForTokenClassification
+    from bert_port.problem import ProblemType, config_label_names
+    from bert_port.tagged import read_tagging_inputs
+    from bert_port.tokenization import load_tokenizer
+    from bert_port.training import check_max_length
+
+    inputs, records = read_tagging_inputs(args.input, args.text_column or "text")
+    if any("entities" in r for r in records):
+        raise DataError(
+            f"{args.input} already has a column 'entities', which the predictions would overwrite; rename it"
+        )
+    config_file = locate_checkpoint(args.model).config_file
+    names = config_label_names(BertConfig.from_json_file(config_file), str(config_file))
+    model = BertForTokenClassification.from_pretrained(args.model)
+    tokenizer = load_tokenizer(model.source_dir)
+    # transformers' pipeline truncates at the tokenizer's limit, not at the training length.
+    limit = min(tokenizer.truncation["max_length"], model.config.max_position_embeddings)
+    max_length = args.max_length if args.max_length is not None else limit
+    check_max_length(max_length, model.config.max_position_embeddings)
+    _output_folder(out)
+    job = dict(device=device, out=out, problem=ProblemType.TOKEN_CLASSIFICATION, names=names, max_length=max_length)
+    return {**job, "inputs": inputs, "records": records, "model": model, "tokenizer": tokenizer}
+
+
+def _output_folder(out: Path) -> None:
+    from bert_port.training import FinetuneError
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FinetuneError(
+            f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
+        ) from None
+
+
+def _run_tagging(args: argparse.Namespace, job: dict) -> int:
+    """Every input's entities (`bert_port.entities`), written beside its record."""
+    from bert_port.entities import aggregate, decoder_of
+    from bert_port.training import predict_tokens
+
+    model, tokenizer, out = job["model"].to(job["device"]), job["tokenizer"], job["out"]
+    scored = predict_tokens(
+        model, tokenizer, job["inputs"], args.batch_size, job["max_length"], job["device"], args.bf16
+    )
+    strategy, decode = args.aggregation_strategy or "first", decoder_of(tokenizer)
+    rows = [
+        ({} if isinstance(x, str) or "text" in record else {"text": s.text})
+        | {"entities": aggregate(s, strategy, job["names"], decode)}
+        for x, record, s in zip(job["inputs"], job["records"], scored)
+    ]
+    try:
+        _write_predictions(out, job["records"], rows)
+    except OSError as exc:
+        print(f"error: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
+    cut = sum(s.truncated for s in scored)
+    note = f"; {cut} text(s) cut at {job['max_length']} tokens, untagged past the cut" if cut else ""
+    print(f"wrote {len(rows)} predictions to {out} ({job['problem'].summary(job['names'], rows)}{note})")
     return 0
 
 

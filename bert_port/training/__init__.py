@@ -1,10 +1,11 @@
-"""Fine-tuning a sequence classifier: the recipe behind `bert-port-finetune`.
+"""Fine-tuning a sequence classifier or a token classifier: the recipe behind `bert-port-finetune`.
 
 settings    `FinetuneConfig`: every option once (flags, help, checks, resume rules)
 steps       processes, AdamW, the learning-rate schedules, one optimiser step, Ctrl-C
 splits      the run's data: splits read, label map built, labels checked
-batching    `Collator` (tokenised batches and their targets), chunks, evaluation order
-evaluation  `evaluate` (metrics by problem type) and `predict`
+batching    `Collator` (tokenised batches and their targets, word tags aligned to word
+            pieces), chunks, evaluation order
+evaluation  `evaluate` (metrics by problem type), `predict` and `predict_tokens`
 reporting   training_config.json, metrics.json, the plot of the curves, TensorBoard
 run_folder  the output folder: its file names, the checks, the lock
 resume      last-checkpoint.pt: what it holds (RNG state, data identity) and its checks
@@ -24,6 +25,7 @@ from .evaluation import (
     metrics_from_counts,
     multi_label_metrics,
     predict,
+    predict_tokens,
     regression_metrics,
 )
 from .recipe import FinetuneRecipe, finetune
@@ -86,6 +88,7 @@ __all__ = [
     "param_groups",
     "plot_curves",
     "predict",
+    "predict_tokens",
     "regression_metrics",
     "save_model",
     "setup_distributed",

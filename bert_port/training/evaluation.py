@@ -1,6 +1,6 @@
-"""Evaluation and prediction for the three problem types of transformers'
-`BertForSequenceClassification` (`bert_port.problem.ProblemType`; the metrics themselves are
-in `bert_port.metrics`).
+"""Evaluation and prediction for the problem types of `bert_port.problem.ProblemType` (the
+metrics themselves are in `bert_port.metrics`): `predict` for a sequence classifier,
+`predict_tokens` for a token classifier (the pieces `bert_port.entities` makes entities of).
 
 Evaluation is split over the processes of a torchrun job (each takes every W-th example of
 a length-sorted order; no padding, so every example counts once) and its counts summed.
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data import TextDataset
+from ..entities import ScoredTokens, scored_tokens
 from ..metrics import (
     DETAIL_MAX_CLASSES,
     MULTI_LABEL_THRESHOLD,
@@ -25,6 +26,7 @@ from ..metrics import (
     regression_metrics,
 )
 from ..problem import ProblemType
+from ..tokenization import encode
 from .batching import Collator, chunks, length_sorted
 from .settings import _is_int, check_max_length
 from .steps import Dist, autocast
@@ -38,6 +40,7 @@ __all__ = [
     "metrics_from_counts",
     "multi_label_metrics",
     "predict",
+    "predict_tokens",
     "regression_metrics",
 ]
 
@@ -107,3 +110,36 @@ def predict(
             logits = model(**batch).logits.float()
         scores[torch.tensor(indices)] = problem.scores(logits).cpu()
     return scores
+
+
+@torch.no_grad()
+def predict_tokens(
+    model: nn.Module,
+    tokenizer,
+    inputs: list[str | list[str]],
+    batch_size: int = 64,
+    max_length: int = 512,
+    device: str | torch.device = "cpu",
+    bf16: bool = False,
+) -> list[ScoredTokens]:
+    """Each input's word pieces with their tag probabilities (softmax), in input order: a
+    string is tokenized as a text, a list of strings as its words (`is_split_into_words`)."""
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_max_length(max_length, model.config.max_position_embeddings)
+    device = torch.device(device)
+    model.eval()
+    out: list[ScoredTokens | None] = [None] * len(inputs)
+    split = [i for i, x in enumerate(inputs) if not isinstance(x, str)]
+    texts = [i for i, x in enumerate(inputs) if isinstance(x, str)]
+    length = lambda i: len(inputs[i]) if isinstance(inputs[i], str) else sum(map(len, inputs[i])) + len(inputs[i])
+    for group, words in ((texts, False), (split, True)):
+        order = sorted(group, key=length, reverse=True)  # longest first, as `length_sorted`
+        for indices in tqdm(list(chunks(order, batch_size)), desc="predict", dynamic_ncols=True):
+            batch = encode(tokenizer, [inputs[i] for i in indices], max_length=max_length, is_split_into_words=words)
+            with autocast(device, bf16=bf16):
+                logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float()
+            probabilities = ProblemType.TOKEN_CLASSIFICATION.scores(logits).cpu()  # (B, T, K)
+            for row, i in enumerate(indices):
+                out[i] = scored_tokens(tokenizer, batch.encodings[row], probabilities[row], inputs[i])
+    return out

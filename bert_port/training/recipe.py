@@ -143,6 +143,8 @@ class FinetuneRecipe:
     def _check_extras_and_device(self) -> None:
         if self.cfg.report_to == "tensorboard":
             require("tensorboard")  # before any work: a clear error naming the package
+        if self.problem is ProblemType.TOKEN_CLASSIFICATION:
+            require("seqeval", "the entity-level metrics of token classification")
         if self.cfg.fp16 and self.d.device.type != "cuda":
             raise FinetuneError(
                 f"--fp16 needs a CUDA device (its gradient scaler is for GPUs), and this run is on {self.d.device}; "

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import checkpoint as ckpt
-from ..data import write_texts
 from ..extras import MissingExtra, install_hint, require
 from ..problem import ProblemType
+from ..tagged import write_split
 from .run_folder import DATA_DIR, RESOLVED_CONFIG
 
 if TYPE_CHECKING:
@@ -195,14 +195,14 @@ def resolved_config(run: FinetuneRecipe) -> dict[str, Any]:
 
 
 def write_run_files(run: FinetuneRecipe) -> None:
-    """The resolved settings, and a bundled dataset's split as CSV files, into the run's folder."""
+    """The resolved settings, and a bundled dataset's split as CSV (or CoNLL) files, into the run's folder."""
     cfg, resolved = run.cfg, resolved_config(run)
     run.out.mkdir(parents=True, exist_ok=True)
     write_json(resolved, run.out / RESOLVED_CONFIG)
     if cfg.dataset is not None and not cfg.resume:  # the bundled split as files, to inspect or reuse with --train
         for split in ("train", "validation", "test"):
             if getattr(run.splits, split) is not None:
-                write_texts(getattr(run.splits, split), run.out / DATA_DIR / f"{split}.csv")
+                write_split(getattr(run.splits, split), run.out / DATA_DIR, split)
     log.info(
         "%s: %d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
         "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %s schedule with %d warmup, on %s",

@@ -25,7 +25,12 @@ from ..problem import ProblemType
 # Validation metrics for each problem type (the first is the default); loss is minimised.
 METRICS = {p.value: p.metrics for p in ProblemType}
 # The problem type of each bundled dataset's labels.
-DATASET_PROBLEM = {"mr": ProblemType.SINGLE_LABEL, "sms": ProblemType.SINGLE_LABEL, "mr_scores": ProblemType.REGRESSION}
+DATASET_PROBLEM = {
+    "mr": ProblemType.SINGLE_LABEL,
+    "sms": ProblemType.SINGLE_LABEL,
+    "mr_scores": ProblemType.REGRESSION,
+    "sms_ner": ProblemType.TOKEN_CLASSIFICATION,
+}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")  # transformers' get_scheduler names
 REPORT_TO = ("none", "tensorboard")
 
@@ -74,11 +79,14 @@ class FinetuneConfig:
     dataset: str | None = option(
         None,
         "bundled data instead of files: mr (movie-review sentiment), mr_scores (the same sentences with their "
-        "mean human rating in [-4, 4], for regression), sms (SMS spam)",
+        "mean human rating in [-4, 4], for regression), sms (SMS spam), sms_ner (the SMS messages with "
+        "entities tagged by rules, for token_classification)",
         choices=BUILTIN_DATASETS,
         resume=True,
     )
-    train: str | None = option(None, "training data: .csv, .tsv or .jsonl", resume=True)
+    train: str | None = option(
+        None, "training data: .csv, .tsv or .jsonl; for token_classification .conll (word, tag) or .jsonl", resume=True
+    )
     validation: str | None = option(
         None, "validation data (default: hold out --validation-split of --train)", resume=True
     )
@@ -197,7 +205,9 @@ class FinetuneConfig:
         if self.dataset is not None and self.train is not None:
             problems.append("give either a bundled dataset (--dataset) or a training file (--train), not both")
         if self.dataset is None and self.train is None:
-            problems.append("no training data: pass --train FILE (CSV, TSV or JSONL) or --dataset mr|mr_scores|sms")
+            problems.append(
+                f"no training data: pass --train FILE (CSV, TSV or JSONL) or --dataset {'|'.join(BUILTIN_DATASETS)}"
+            )
         wanted = DATASET_PROBLEM.get(self.dataset) if isinstance(self.dataset, str) else None
         if wanted is not None and self.problem_type != wanted:
             problems.append(f"--dataset {self.dataset} holds {wanted.help.split(',')[0]}: use --problem-type {wanted}")
