@@ -201,6 +201,20 @@ def load_last(out: Path) -> dict:
     return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
 
 
+# Two processes (or gradient accumulation) against one: the same sums in another order, so
+# the per-step losses agree to float32 rounding accumulated over a few steps, not bit for bit.
+SPLIT_RUN_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def assert_same_step_losses(run: dict, reference: dict) -> None:
+    """The per-step training losses of two runs' `metrics.json`, within `SPLIT_RUN_TOL`."""
+    torch.testing.assert_close(
+        torch.tensor([s["loss"] for s in run["steps"]]),
+        torch.tensor([s["loss"] for s in reference["steps"]]),
+        **SPLIT_RUN_TOL,
+    )
+
+
 # -- the option matrix's pair and checks (test_bert_options.py, test_bert_numerics.py) ---
 
 ATTNS = ["eager", "sdpa"]

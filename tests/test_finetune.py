@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, load_last, metrics_of, run_finetune
+from conftest import TINY, assert_same_step_losses, load_last, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.assets import config_dir
@@ -268,12 +268,7 @@ def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints)
             f"{max(float((weights[k] - reference[k]).abs().max()) for k in reference):.2e}"
         )
         assert m["config"]["world_size"] == (2 if other == "ddp" else 1)
-        torch.testing.assert_close(
-            torch.tensor([s["loss"] for s in m["steps"]]),
-            torch.tensor([s["loss"] for s in one["steps"]]),
-            atol=1e-5,
-            rtol=1e-5,
-        )
+        assert_same_step_losses(m, one)
         assert len(m["evaluations"]) == len(one["evaluations"]) and m["early_stopping"] == one["early_stopping"]
         for a, b in zip(m["evaluations"], one["evaluations"]):
             assert a["validation"]["per_class"] == b["validation"]["per_class"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, TOL, metrics_of, run_finetune
+from conftest import TINY, TOL, assert_same_step_losses, metrics_of, run_finetune
 
 from bert_port import BertConfig, BertModel
 from bert_port.classifier import BertForSequenceClassification
@@ -275,12 +275,7 @@ def test_torchrun_regression_two_processes_equal_one(tmp_path, files, ckpt):
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, ddp = metrics_of(tmp_path / "one"), metrics_of(tmp_path / "ddp")
     assert ddp["config"]["world_size"] == 2
-    torch.testing.assert_close(
-        torch.tensor([s["loss"] for s in ddp["steps"]]),
-        torch.tensor([s["loss"] for s in one["steps"]]),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    assert_same_step_losses(ddp, one)
     for a, b in zip(ddp["evaluations"], one["evaluations"]):
         assert a["step"] == b["step"] and a["validation"]["n"] == b["validation"]["n"] == 24
         assert a["validation"]["loss"] == pytest.approx(b["validation"]["loss"], abs=1e-5)

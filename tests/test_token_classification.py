@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, TOL, load_last, metrics_of, run_finetune, tiny_checkpoint
+from conftest import TINY, TOL, assert_same_step_losses, load_last, metrics_of, run_finetune, tiny_checkpoint
 
 from bert_port import BertConfig
 from bert_port.cli import predict as predict_cli
@@ -306,12 +306,7 @@ def test_tagger_accumulation_and_torchrun_equal_one_process(tmp_path, files, tin
     for other in ("accum", "ddp"):
         m = metrics_of(tmp_path / other)
         assert m["config"]["world_size"] == (2 if other == "ddp" else 1)
-        torch.testing.assert_close(
-            torch.tensor([s["loss"] for s in m["steps"]]),
-            torch.tensor([s["loss"] for s in one["steps"]]),
-            atol=1e-5,
-            rtol=1e-5,
-        )
+        assert_same_step_losses(m, one)
         for a, b in zip(m["evaluations"], one["evaluations"]):
             assert a["validation"]["per_type"] == b["validation"]["per_type"]  # each sentence counted once
             assert abs(a["validation"]["loss"] - b["validation"]["loss"]) < 1e-5
