@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
     """The model's state dict under Hugging Face names (the inverse of the key table). Tied
     targets are left out: they are written once, under the name of what they are tied to."""
+    from .quantization import refuse_saving
+
+    refuse_saving(model)
     state = {
         k.removeprefix(model.port_encoder_prefix): v
         for k, v in model.state_dict().items()

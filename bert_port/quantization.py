@@ -1,0 +1,288 @@
+"""int8 inference on the CPU: `quantize(model, tokenizer)`, which `from_pretrained(path,
+quantization="int8")` calls, and `Int8Linear`, the layer it puts in place of the encoder's
+dense layers.
+
+What is int8. In every `BertLayer`, the fused query-key-value projection (and, for the padded
+path, query, key and value each), `attention_dense`, `interm_dense` and `out_dense`: all of
+the encoder's matmuls but attention's own two. Embeddings, LayerNorms, attention (scores,
+softmax, context), the pooler and the task heads stay float32: they are a small share of
+the time, and the heads are where a user reads the result.
+
+The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
+- weights: symmetric int8 per output channel, scale max|W_m| / 127, quantized once;
+- activations: asymmetric per row (token), 7 bits: q = round((x - min_row) / s_row) in
+  0..127 with s_row = (max_row - min_row) / 127, computed at each call; so a row's result
+  never depends on the other rows of the batch (batch invariance holds, as in float32);
+- y = s_row * (q . W_int8^T) * w_scale + min_row * sum_k W_deq[:, k] + bias: the int32
+  product is exact, the rest float32;
+- SmoothQuant (Xiao et al., 2023) on the two projections fed by a LayerNorm (the fused QKV
+  and `interm_dense`): input channel k is divided by s_k = a_k^0.5 / max|W[:, k]|^0.5, and
+  the weight's column k multiplied by it, which leaves the product unchanged and moves the
+  LayerNorm outputs' outlier channels into the weights, where per-channel scales absorb them.
+  a_k is channel k's largest |x| on `CALIBRATION_TEXTS`, run through the float32 model once
+  at quantization. (Post-LN, the LayerNorm's output is also the residual, so 1/s is applied
+  to the activation in the quantization pass, not folded into the LayerNorm.)
+
+Why these choices (the measurements are in the README's "int8" sections):
+- The kernel: oneDNN's int8 linear through torch's own ops (`torch.ops.onednn.qlinear_prepack`
+  and `qlinear_pointwise`, the kernel torch.compile's x86 backend lowers int8 linears to),
+  called eagerly on the packed rows. torchao's `Int8DynamicActivationInt8WeightConfig`
+  computes the same per-token scheme, but in eager mode through `torch._int_mm`, which has no
+  fast CPU kernel (tens of times slower than the float32 matmul); only under torch.compile
+  does it reach oneDNN, and the packed path runs outside compiled regions. torch's dynamic
+  quantized Linear (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's
+  activations by one number, which costs the accuracy, and needs the quantized-tensor API
+  that torch deprecates.
+- 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
+  u8 x s8 products into a saturating int16; 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
+  does, and on such a CPU full 8-bit activations were measured far off the exact product. One
+  scheme everywhere keeps int8 results the same on every x86 CPU.
+- asymmetric rows: GELU outputs and LayerNorm outputs are not centred on zero; a per-row
+  offset spends all 128 levels on the row's range (symmetric 7-bit rows lost more accuracy).
+- SmoothQuant only where a LayerNorm feeds the projection: measured, it helped there and
+  slightly hurt on `attention_dense` and `out_dense`.
+
+An int8 model is for inference on the CPU in float32 activations: training, CUDA, other
+dtypes and saving are refused with errors that say what to do (fine-tune and save the
+float32 model; quantize when loading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+QUANTIZATIONS = ("int8",)
+ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
+WEIGHT_LEVELS = 127  # symmetric int8
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
+
+# Real sentences of several kinds and lengths, run once through the float32 model to find each
+# LayerNorm-fed projection's largest input per channel. The channels that stand out are the
+# model's own (set by LayerNorm weights), so a couple of dozen ordinary sentences find them.
+CALIBRATION_TEXTS: tuple[str, ...] = (
+    "a warm , funny , engaging film .",
+    "the plot is nothing but boilerplate clichés from start to finish , and the script assumes that not only "
+    "would subtlety be lost on the target audience , but that it's also too stupid to realize that they've "
+    "already seen this exact same movie a hundred times .",
+    "it's a lovely film with lovely performances by buy and accorsi .",
+    "The committee will publish its final report on the proposed railway extension next spring.",
+    "Researchers found that the new alloy keeps its strength at temperatures above 900 degrees.",
+    "Can you pick up some milk and bread on your way home tonight?",
+    "Free entry in 2 a wkly comp to win FA Cup final tkts 21st May 2005. Text FA to 87121 to receive entry.",
+    "U dun say so early hor... U c already then say...",
+    "The museum's new wing, designed by a Danish studio, opens to the public on 3 March.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "I've been waiting for over an hour and nobody has answered the phone.",
+    "Der Zug nach München fährt um 14:32 Uhr von Gleis 7 ab.",
+    "東京は日本の首都です。",
+    "Q3 revenue rose 12% year over year to $4.8 billion, beating analysts' estimates.",
+    "def add(a, b): return a + b  # adds two numbers",
+    "yes",
+)
+CALIBRATION_PAIRS: tuple[tuple[str, str], ...] = (
+    ("How do I reset my password?", "Click 'Forgot password' on the sign-in page and follow the email link."),
+    ("The cat sat on the mat.", "A dog is running through the park."),
+)
+
+
+class QuantizationError(RuntimeError):
+    """An int8 model used where it cannot run (training, CUDA, another dtype) or saved."""
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """`quantization` if the port has it (None or "int8"), else a `ValueError` naming the choices."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, got {quantization!r}"
+        )
+    if quantization is not None and not torch.backends.mkldnn.is_available():
+        raise ValueError(
+            "quantization='int8' runs on oneDNN's int8 kernels, which this torch build lacks "
+            "(torch.backends.mkldnn.is_available() is False); load in floating point"
+        )
+    return quantization
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with int8 weights and per-row 7-bit activations (the module docstring has
+    the scheme): x (..., K) float32 -> (..., M) float32, on the CPU, in inference.
+
+    `smooth` (K,), optional: SmoothQuant's per-input-channel divisor, folded into the weight
+    here and applied to x at each call. Buffers (int8 weight, scales, bias) are what the module
+    holds; the oneDNN-packed weight is derived from them and rebuilt after a copy or unpickle."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None):
+        super().__init__()
+        self.training = False  # inference only (`_check`)
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        if smooth is not None:
+            weight = weight * smooth[None, :]
+            self.register_buffer("input_divisor_inverse", (1.0 / smooth).float())
+        else:
+            self.input_divisor_inverse = None
+        scale = (weight.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)  # (M,)
+        int8 = torch.round(weight / scale[:, None]).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)  # (M, K)
+        self.register_buffer("weight_int8", int8)
+        self.register_buffer("weight_scale", scale)
+        # sum_k W_deq[m, k]: what the per-row offset min_row contributes to output m.
+        self.register_buffer("weight_sum", (int8.float() * scale[:, None]).sum(dim=1))
+        self.register_buffer("bias", torch.zeros(self.out_features) if bias is None else bias.detach().float().clone())
+        self._pack()
+
+    def _pack(self) -> None:
+        # oneDNN's blocked layout of the weight: an opaque tensor, neither copied nor pickled.
+        self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        rows = x.reshape(-1, self.in_features)  # (N, K)
+        if self.input_divisor_inverse is not None:
+            rows = rows * self.input_divisor_inverse
+        low, high = torch.aminmax(rows, dim=1, keepdim=True)  # (N, 1) each
+        step = ((high - low) / ACTIVATION_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
+        # (x - low) / step + 0.5, truncated: round half up, into 0..127 (a zero row gives zeros).
+        q = torch.addcmul(0.5 - low / step, rows, 1.0 / step).to(torch.uint8)  # (N, K)
+        acc = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # (N, M): sum_k q_k W_int8[m, k] * weight_scale[m]
+        out = torch.addr(self.bias, low[:, 0], self.weight_sum).addcmul_(acc, step)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _check(self, x: Tensor) -> None:
+        if self.training:
+            raise QuantizationError(
+                "an int8 model runs inference only: call model.eval(); to fine-tune, train the float32 model "
+                "and load the result with quantization='int8'"
+            )
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise QuantizationError(
+                f"an int8 model runs on the CPU with float32 activations, got {x.dtype} on {x.device}; load the "
+                "model without quantization= for CUDA, bf16 or fp16"
+            )
+
+    def dequantized_weight(self) -> Tensor:
+        """The float32 (M, K) weight this layer multiplies by (smoothing undone): for inspection."""
+        weight = self.weight_int8.float() * self.weight_scale[:, None]
+        return weight if self.input_divisor_inverse is None else weight * self.input_divisor_inverse[None, :]
+
+    def extra_repr(self) -> str:
+        smooth = ", smoothed" if self.input_divisor_inverse is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit rows{smooth}"
+
+
+def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING_ALPHA) -> Tensor:
+    """SmoothQuant's divisor per input channel: a_k^alpha / max_m |W[m, k]|^(1 - alpha)."""
+    floor = 1e-5  # a channel that is never used (or a zero column) keeps its scale 1-ish
+    column_max = weight.detach().abs().amax(dim=0).clamp_min(floor)
+    return (input_max.clamp_min(floor) ** alpha / column_max ** (1 - alpha)).clamp_min(floor)
+
+
+@torch.inference_mode()
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], Tensor]:
+    """The largest |input| per channel of each layer's LayerNorm-fed projections, the fused
+    QKV ("qkv") and `interm_dense`, over `batches` run through the (float32) encoder `model`:
+    {(layer, name): (K,)}."""
+    stats: dict[tuple[int, str], Tensor] = {}
+
+    def record(key: tuple[int, str]):
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            x = inputs[0].detach()
+            top = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            stats[key] = torch.maximum(stats[key], top) if key in stats else top
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.bert_layers):
+        handles.append(layer.self_attention.register_forward_pre_hook(record((i, "qkv"))))
+        handles.append(layer.interm_dense.register_forward_pre_hook(record((i, "interm_dense"))))
+    try:
+        for batch in batches:
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
+    """`CALIBRATION_TEXTS` and `CALIBRATION_PAIRS` tokenized by the checkpoint's tokenizer."""
+    from .tokenization import encode
+
+    firsts, seconds = zip(*CALIBRATION_PAIRS)
+    return [
+        dict(encode(tokenizer, list(CALIBRATION_TEXTS), max_length=max_length)),
+        dict(encode(tokenizer, list(firsts), list(seconds), max_length=max_length)),
+    ]
+
+
+def quantize(model: nn.Module, tokenizer) -> nn.Module:
+    """Make the encoder of a float32 port model (`BertModel` or any head; `model.encoder`) int8,
+    in place: calibrate on `CALIBRATION_TEXTS` with `tokenizer` (the checkpoint's), then put an
+    `Int8Linear` in place of every dense layer of every `BertLayer` (the module docstring says
+    which stay float32). Returns `model`, in eval mode."""
+    encoder = model.encoder
+    if is_quantized(model):
+        raise QuantizationError("this model is int8 already")
+    if encoder.dtype != torch.float32 or encoder.device.type != "cpu":
+        raise QuantizationError(
+            f"int8 quantization starts from float32 weights on the CPU; the model is {encoder.dtype} on "
+            f"{encoder.device}: load it with dtype=torch.float32 on the CPU"
+        )
+    model.eval()
+    stats = calibrate(encoder, calibration_batches(tokenizer, min(128, encoder.config.max_position_embeddings)))
+    for i, layer in enumerate(encoder.bert_layers):
+        attention = layer.self_attention
+        weight, bias = attention.fused_qkv()
+        smooth = smoothing(stats[(i, "qkv")], weight)  # one divisor for the three: x is quantized once
+        attention.qkv = Int8Linear(weight, bias, smooth)
+        for name in ("query", "key", "value"):  # the padded path's three projections (left padding, eager)
+            linear = getattr(attention, name)
+            setattr(attention, name, Int8Linear(linear.weight, linear.bias, smooth))
+        interm = layer.interm_dense
+        layer.interm_dense = Int8Linear(interm.weight, interm.bias, smoothing(stats[(i, "interm_dense")], interm.weight))
+        layer.attention_dense = Int8Linear(layer.attention_dense.weight, layer.attention_dense.bias)
+        layer.out_dense = Int8Linear(layer.out_dense.weight, layer.out_dense.bias)
+    model.quantization = "int8"
+    return model.eval()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def refuse_saving(model: nn.Module) -> None:
+    """A `QuantizationError` for an int8 model: its float32 weights are gone, and writing the
+    dequantized ones would pass a rounded copy off as the checkpoint."""
+    if is_quantized(model):
+        raise QuantizationError(
+            "an int8 model cannot be saved: quantization happens when loading, from the float32 weights. Save the "
+            "float32 model (load it without quantization=) and load the saved folder with quantization='int8'"
+        )
+
+
+def quantize_for_loading(model: nn.Module) -> nn.Module:
+    """`quantize` with the tokenizer of the folder `model` was loaded from (`from_pretrained`)."""
+    from .tokenization import TokenizerError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model.source_dir)
+    except TokenizerError as exc:
+        raise TokenizerError(
+            f"quantization='int8' calibrates on built-in sentences with the checkpoint's tokenizer: {exc}"
+        ) from None
+    return quantize(model, tokenizer)
+
