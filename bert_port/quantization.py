@@ -10,37 +10,39 @@ the time, and the heads are where a user reads the result.
 
 The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
 - weights: symmetric int8 per output channel, scale max|W_m| / 127, quantized once;
-- activations: asymmetric per row (token), 7 bits: q = round((x - min_row) / s_row) in
-  0..127 with s_row = (max_row - min_row) / 127, computed at each call; so a row's result
-  never depends on the other rows of the batch (batch invariance holds, as in float32);
-- y = s_row * (q . W_int8^T) * w_scale + min_row * sum_k W_deq[:, k] + bias: the int32
-  product is exact, the rest float32;
-- SmoothQuant (Xiao et al., 2023) on the two projections fed by a LayerNorm (the fused QKV
-  and `interm_dense`): input channel k is divided by s_k = a_k^0.5 / max|W[:, k]|^0.5, and
-  the weight's column k multiplied by it, which leaves the product unchanged and moves the
-  LayerNorm outputs' outlier channels into the weights, where per-channel scales absorb them.
-  a_k is channel k's largest |x| on `CALIBRATION_TEXTS`, run through the float32 model once
-  at quantization. (Post-LN, the LayerNorm's output is also the residual, so 1/s is applied
-  to the activation in the quantization pass, not folded into the LayerNorm.)
+- activations: per row (token), 7 bits, scaled at each call by the row's own range, so a
+  row's result never depends on the other rows of the batch (batch invariance holds, as in
+  float32). `out_dense` reads the activation function's output, which has a known minimum
+  (GELU: -0.17, `ACTIVATION_FLOORS`): its rows are unsigned, x - floor in 0..127 steps of
+  max_row(x - floor) / 127; the other rows are signed, -63..63 steps of max_row|x| / 63;
+- y = step_row * sum_k q_k W_int8[m, k] * w_scale_m + bias': the int32 product is exact, the
+  rest float32, and the shifts below are folded into bias' (x W^T = (x - c) W^T + W c);
+- the two projections fed by a LayerNorm (the fused QKV and `interm_dense`) quantize
+  (x - c) / s instead of x: c_k is the centre of channel k's range and s_k SmoothQuant's
+  divisor (Xiao et al., 2023), a_k^0.5 / max_m|W[m, k]|^0.5 with a_k the half-range, which
+  moves the LayerNorm outputs' outlier channels into the weights, where the per-channel
+  scales absorb them (W's column k is multiplied by s_k). Both come from one float32 pass over
+  `CALIBRATION_TEXTS` at quantization. (Post-LN, the LayerNorm's output is also the
+  residual, so they cannot be folded into the LayerNorm.)
 
 Why these choices (the measurements are in the README's "int8" sections):
-- The kernel: oneDNN's int8 linear through torch's own ops (`torch.ops.onednn.qlinear_prepack`
-  and `qlinear_pointwise`, the kernel torch.compile's x86 backend lowers int8 linears to),
-  called eagerly on the packed rows. torchao's `Int8DynamicActivationInt8WeightConfig`
-  computes the same per-token scheme, but in eager mode through `torch._int_mm`, which has no
-  fast CPU kernel (tens of times slower than the float32 matmul); only under torch.compile
-  does it reach oneDNN, and the packed path runs outside compiled regions. torch's dynamic
-  quantized Linear (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's
-  activations by one number, which costs the accuracy, and needs the quantized-tensor API
-  that torch deprecates.
+- The kernel: oneDNN's int8 matmul through torch's own ops (`torch.ops.onednn.qlinear_prepack`
+  and `qlinear_pointwise`, what torch.compile's x86 backend lowers int8 linears to), called
+  eagerly on the packed rows; no extra package. torchao's `Int8DynamicActivationInt8WeightConfig`
+  computes a per-token scheme too, but eagerly through `torch._int_mm`, which has no fast CPU
+  kernel (tens of times slower than the float32 matmul); only under torch.compile does it reach
+  oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
+  (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
+  which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
 - 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
-  u8 x s8 products into a saturating int16; 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
-  does, and on such a CPU full 8-bit activations were measured far off the exact product. One
-  scheme everywhere keeps int8 results the same on every x86 CPU.
-- asymmetric rows: GELU outputs and LayerNorm outputs are not centred on zero; a per-row
-  offset spends all 128 levels on the row's range (symmetric 7-bit rows lost more accuracy).
-- SmoothQuant only where a LayerNorm feeds the projection: measured, it helped there and
-  slightly hurt on `attention_dense` and `out_dense`.
+  u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
+  can, and there full 8-bit activations were measured far off the exact product. One scheme
+  on every x86 CPU keeps int8 results the same on all of them.
+- Shift and smoothing where a LayerNorm feeds the projection only: on `out_dense` a
+  calibrated centre made things much worse (GELU outputs are heavy-tailed), and smoothing
+  `attention_dense` and `out_dense` slightly worse; the activation floor does better there.
+  A per-row minimum (asymmetric rows) was as accurate, but its (N, M) correction term cost a
+  fifth of the int8 speed-up.
 
 An int8 model is for inference on the CPU in float32 activations: training, CUDA, other
 dtypes and saving are refused with errors that say what to do (fine-tune and save the
@@ -106,35 +108,72 @@ def check_quantization(quantization: str | None) -> str | None:
     return quantization
 
 
+# Greatest lower bounds of `hidden_act` (rounded down): `out_dense` reads the activation's
+# output, so x - floor >= 0 and its rows are quantized unsigned (all 128 levels on [floor, max]).
+ACTIVATION_FLOORS = {
+    **dict.fromkeys(
+        ("gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"),
+        -0.17,  # GELU's minimum, -0.16997 at x = -0.75; quick_gelu's is -0.16
+    ),
+    "gelu_10": -0.17,
+    "quick_gelu": -0.17,
+    **dict.fromkeys(("relu", "relu2", "relu6", "sigmoid", "laplace", "sqrtsoftplus"), 0.0),
+    **dict.fromkeys(("silu", "swish"), -0.279),  # -0.2785
+    "mish": -0.309,  # -0.3088
+    "hardswish": -0.375,
+    "tanh": -1.0,
+}
+TINY = torch.finfo(torch.float32).tiny
+
+
 class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights and per-row 7-bit activations (the module docstring has
     the scheme): x (..., K) float32 -> (..., M) float32, on the CPU, in inference.
 
-    `smooth` (K,), optional: SmoothQuant's per-input-channel divisor, folded into the weight
-    here and applied to x at each call. Buffers (int8 weight, scales, bias) are what the module
-    holds; the oneDNN-packed weight is derived from them and rebuilt after a copy or unpickle."""
+    Optional, per input channel k: `shift` (K,) is subtracted from x before quantizing and
+    added back through the bias (y = (x - shift) W^T + (b + W shift)), `smooth` (K,) divides
+    x and multiplies W's column (SmoothQuant). `floor`: a lower bound of every input (the
+    activation's minimum), which makes rows unsigned, x - floor in 0..127 steps; else rows are
+    signed, -63..63 around the zero point 64. The buffers are what the module holds; oneDNN's
+    packed weight is derived from them and rebuilt after a copy or unpickle."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None):
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        shift: Tensor | None = None,
+        smooth: Tensor | None = None,
+        floor: float | None = None,
+    ):
         super().__init__()
         self.training = False  # inference only (`_check`)
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
-        if smooth is not None:
-            weight = weight * smooth[None, :]
-            self.register_buffer("input_divisor_inverse", (1.0 / smooth).float())
+        bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
+        self.floor = floor
+        if floor is not None:
+            shift = torch.full((self.in_features,), float(floor))
+        if shift is not None:
+            bias = bias + weight @ shift.float()
+        if floor is None and (shift is not None or smooth is not None):
+            inverse = torch.ones(self.in_features) if smooth is None else 1.0 / smooth.float()
+            centre = torch.zeros(self.in_features) if shift is None else shift.float()
+            self.register_buffer("input_scale", inverse)  # x' = x * input_scale + input_offset
+            self.register_buffer("input_offset", -centre * inverse)
         else:
-            self.input_divisor_inverse = None
-        scale = (weight.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)  # (M,)
+            self.input_scale = self.input_offset = None
+        if smooth is not None:
+            weight = weight * smooth.float()[None, :]
+        scale = (weight.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(TINY)  # (M,)
         int8 = torch.round(weight / scale[:, None]).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)  # (M, K)
         self.register_buffer("weight_int8", int8)
         self.register_buffer("weight_scale", scale)
-        # sum_k W_deq[m, k]: what the per-row offset min_row contributes to output m.
-        self.register_buffer("weight_sum", (int8.float() * scale[:, None]).sum(dim=1))
-        self.register_buffer("bias", torch.zeros(self.out_features) if bias is None else bias.detach().float().clone())
+        self.register_buffer("bias", bias.clone())
         self._pack()
 
     def _pack(self) -> None:
-        # oneDNN's blocked layout of the weight: an opaque tensor, neither copied nor pickled.
+        # oneDNN's layout of the weight: an opaque tensor, neither copied nor pickled.
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
 
     def __getstate__(self) -> dict:
@@ -149,16 +188,23 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
         rows = x.reshape(-1, self.in_features)  # (N, K)
-        if self.input_divisor_inverse is not None:
-            rows = rows * self.input_divisor_inverse
-        low, high = torch.aminmax(rows, dim=1, keepdim=True)  # (N, 1) each
-        step = ((high - low) / ACTIVATION_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
-        # (x - low) / step + 0.5, truncated: round half up, into 0..127 (a zero row gives zeros).
-        q = torch.addcmul(0.5 - low / step, rows, 1.0 / step).to(torch.uint8)  # (N, K)
+        if self.input_scale is not None:
+            rows = torch.addcmul(self.input_offset, rows, self.input_scale)
+        if self.floor is not None:  # unsigned: (x - floor) / step in 0..127
+            step = ((rows.amax(dim=1, keepdim=True) - self.floor) / ACTIVATION_LEVELS).clamp_min(TINY)  # (N, 1)
+            inverse = 1.0 / step
+            q, zero_point = torch.addcmul(0.5 - self.floor * inverse, rows, inverse), 0
+        else:  # signed: x / step in -63..63, stored around 64
+            top = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+            step = (top / (ACTIVATION_LEVELS // 2)).clamp_min(TINY)  # (N, 1)
+            q, zero_point = (rows * (1.0 / step)).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
+        # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
+        # their bits (and float -> int8 converts several times faster than float -> uint8).
+        q = q.to(torch.int8).view(torch.uint8)
         acc = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
-        )  # (N, M): sum_k q_k W_int8[m, k] * weight_scale[m]
-        out = torch.addr(self.bias, low[:, 0], self.weight_sum).addcmul_(acc, step)
+            q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
+        out = torch.addcmul(self.bias, acc, step, out=acc)
         return out.view(*x.shape[:-1], self.out_features)
 
     def _check(self, x: Tensor) -> None:
@@ -173,35 +219,33 @@ class Int8Linear(nn.Module):
                 "model without quantization= for CUDA, bf16 or fp16"
             )
 
-    def dequantized_weight(self) -> Tensor:
-        """The float32 (M, K) weight this layer multiplies by (smoothing undone): for inspection."""
-        weight = self.weight_int8.float() * self.weight_scale[:, None]
-        return weight if self.input_divisor_inverse is None else weight * self.input_divisor_inverse[None, :]
-
     def extra_repr(self) -> str:
-        smooth = ", smoothed" if self.input_divisor_inverse is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit rows{smooth}"
+        rows = "unsigned" if self.floor is not None else "signed"
+        pre = ", shifted/smoothed" if self.input_scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit {rows} rows{pre}"
 
 
 def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING_ALPHA) -> Tensor:
     """SmoothQuant's divisor per input channel: a_k^alpha / max_m |W[m, k]|^(1 - alpha)."""
-    floor = 1e-5  # a channel that is never used (or a zero column) keeps its scale 1-ish
+    floor = 1e-5  # a channel never used (or a zero column) keeps a finite divisor
     column_max = weight.detach().abs().amax(dim=0).clamp_min(floor)
     return (input_max.clamp_min(floor) ** alpha / column_max ** (1 - alpha)).clamp_min(floor)
 
 
 @torch.inference_mode()
-def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], Tensor]:
-    """The largest |input| per channel of each layer's LayerNorm-fed projections, the fused
-    QKV ("qkv") and `interm_dense`, over `batches` run through the (float32) encoder `model`:
-    {(layer, name): (K,)}."""
-    stats: dict[tuple[int, str], Tensor] = {}
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
+    """The largest and smallest input per channel of each layer's LayerNorm-fed projections,
+    the fused QKV ("qkv") and `interm_dense`, over `batches` run through the (float32)
+    encoder `model`: {(layer, name): ((K,) max, (K,) min)}."""
+    stats: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
 
     def record(key: tuple[int, str]):
         def hook(module: nn.Module, inputs: tuple) -> None:
-            x = inputs[0].detach()
-            top = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
-            stats[key] = torch.maximum(stats[key], top) if key in stats else top
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            high, low = x.amax(dim=0), x.amin(dim=0)
+            if key in stats:
+                high, low = torch.maximum(stats[key][0], high), torch.minimum(stats[key][1], low)
+            stats[key] = (high, low)
 
         return hook
 
@@ -216,6 +260,13 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
         for handle in handles:
             handle.remove()
     return stats
+
+
+def centred(stats: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:
+    """`Int8Linear`'s shift (the centre of each channel's calibrated range) and SmoothQuant
+    divisor (from the half-range about that centre) for one LayerNorm-fed projection."""
+    high, low = stats
+    return {"shift": (high + low) / 2, "smooth": smoothing((high - low) / 2, weight)}
 
 
 def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
@@ -244,18 +295,19 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
         )
     model.eval()
     stats = calibrate(encoder, calibration_batches(tokenizer, min(128, encoder.config.max_position_embeddings)))
+    floor = ACTIVATION_FLOORS.get(encoder.config.hidden_act)  # None: signed rows for out_dense too
     for i, layer in enumerate(encoder.bert_layers):
         attention = layer.self_attention
         weight, bias = attention.fused_qkv()
-        smooth = smoothing(stats[(i, "qkv")], weight)  # one divisor for the three: x is quantized once
-        attention.qkv = Int8Linear(weight, bias, smooth)
+        qkv = centred(stats[(i, "qkv")], weight)  # one shift and divisor for the three: x is quantized once
+        attention.qkv = Int8Linear(weight, bias, **qkv)
         for name in ("query", "key", "value"):  # the padded path's three projections (left padding, eager)
             linear = getattr(attention, name)
-            setattr(attention, name, Int8Linear(linear.weight, linear.bias, smooth))
+            setattr(attention, name, Int8Linear(linear.weight, linear.bias, **qkv))
         interm = layer.interm_dense
-        layer.interm_dense = Int8Linear(interm.weight, interm.bias, smoothing(stats[(i, "interm_dense")], interm.weight))
+        layer.interm_dense = Int8Linear(interm.weight, interm.bias, **centred(stats[(i, "interm_dense")], interm.weight))
         layer.attention_dense = Int8Linear(layer.attention_dense.weight, layer.attention_dense.bias)
-        layer.out_dense = Int8Linear(layer.out_dense.weight, layer.out_dense.bias)
+        layer.out_dense = Int8Linear(layer.out_dense.weight, layer.out_dense.bias, floor=floor)
     model.quantization = "int8"
     return model.eval()
 
