@@ -190,14 +190,12 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (N, K)
         if self.input_scale is not None:
             rows = torch.addcmul(self.input_offset, rows, self.input_scale)
+        step = self._steps(rows)  # (N, 1)
+        inverse = 1.0 / step
         if self.floor is not None:  # unsigned: (x - floor) / step in 0..127
-            step = ((rows.amax(dim=1, keepdim=True) - self.floor) / ACTIVATION_LEVELS).clamp_min(TINY)  # (N, 1)
-            inverse = 1.0 / step
             q, zero_point = torch.addcmul(0.5 - self.floor * inverse, rows, inverse), 0
         else:  # signed: x / step in -63..63, stored around 64
-            top = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
-            step = (top / (ACTIVATION_LEVELS // 2)).clamp_min(TINY)  # (N, 1)
-            q, zero_point = (rows * (1.0 / step)).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
+            q, zero_point = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
         # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
         # their bits (and float -> int8 converts several times faster than float -> uint8).
         q = q.to(torch.int8).view(torch.uint8)
@@ -206,6 +204,13 @@ class Int8Linear(nn.Module):
         )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
         out = torch.addcmul(self.bias, acc, step)  # (out=acc, in place, was measured slower)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _steps(self, rows: Tensor) -> Tensor:
+        """The quantization step of each of the (N, K) rows, from the row's own range: (N, 1)."""
+        if self.floor is not None:
+            return ((rows.amax(dim=1, keepdim=True) - self.floor) / ACTIVATION_LEVELS).clamp_min(TINY)
+        top = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+        return (top / (ACTIVATION_LEVELS // 2)).clamp_min(TINY)
 
     def _check(self, x: Tensor) -> None:
         if self.training:

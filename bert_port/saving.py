@@ -75,6 +75,9 @@ def save_pretrained(
     (default: those the model carries from its source, `carried_sentence_files`). The folder
     is one `checkpoint.StagedWrite`: an interrupted, killed or concurrent save leaves one
     whole checkpoint, the old or the new."""
+    from .quantization import refuse_saving
+
+    refuse_saving(model)  # before anything is created
     ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
     out = Path(save_directory)
     config = config_to_write(model)
