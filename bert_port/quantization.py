@@ -24,6 +24,12 @@ The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
   scales absorb them (W's column k is multiplied by s_k). Both come from one float32 pass over
   `CALIBRATION_TEXTS` at quantization. (Post-LN, the LayerNorm's output is also the
   residual, so they cannot be folded into the LayerNorm.)
+- `out_dense` keeps the FFN's `FLOAT_OUTLIERS` channels with the largest calibrated
+  activations in float32 (LLM.int8()'s decomposition, Dettmers et al., 2022): a few GELU
+  channels reach 15-25 where the others stay below 5, and would set the step of every row
+  they fire in. `interm_dense`'s outputs are reordered so that those channels come last (GELU
+  acts on each channel alone, so this is exact), and out_dense adds their (N, 8) x (8, M)
+  float32 product to the int8 one.
 
 Why these choices (the measurements are in the README's "int8" sections):
 - The kernel: oneDNN's int8 matmul through torch's own ops (`torch.ops.onednn.qlinear_prepack`
@@ -38,6 +44,8 @@ Why these choices (the measurements are in the README's "int8" sections):
   u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
   can, and there full 8-bit activations were measured far off the exact product. One scheme
   on every x86 CPU keeps int8 results the same on all of them.
+- The float32 outlier channels: on a classifier fine-tuned from MiniLM on MR, int8 without them
+  lost 0.57 points of test accuracy, with them none (the README's figures), at no measurable cost.
 - Shift and smoothing where a LayerNorm feeds the projection only: on `out_dense` a
   calibrated centre made things much worse (GELU outputs are heavy-tailed), and smoothing
   `attention_dense` and `out_dense` slightly worse; the activation floor does better there.
@@ -60,15 +68,18 @@ QUANTIZATIONS = ("int8",)
 ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
 WEIGHT_LEVELS = 127  # symmetric int8
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
+FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
 
 # Real sentences of several kinds and lengths, run once through the float32 model to find each
 # LayerNorm-fed projection's largest input per channel. The channels that stand out are the
 # model's own (set by LayerNorm weights), so a couple of dozen ordinary sentences find them.
 CALIBRATION_TEXTS: tuple[str, ...] = (
     "a warm , funny , engaging film .",
-    "the plot is nothing but boilerplate clichés from start to finish , and the script assumes that not only "
-    "would subtlety be lost on the target audience , but that it's also too stupid to realize that they've "
-    "already seen this exact same movie a hundred times .",
+    (
+        "the plot is nothing but boilerplate clichés from start to finish , and the script assumes that not only "
+        "would subtlety be lost on the target audience , but that it's also too stupid to realize that they've "
+        "already seen this exact same movie a hundred times ."
+    ),
     "it's a lovely film with lovely performances by buy and accorsi .",
     "The committee will publish its final report on the proposed railway extension next spring.",
     "Researchers found that the new alloy keeps its strength at temperatures above 900 degrees.",
@@ -145,20 +156,26 @@ class Int8Linear(nn.Module):
         shift: Tensor | None = None,
         smooth: Tensor | None = None,
         floor: float | None = None,
+        float_inputs: int = 0,
     ):
         super().__init__()
         self.training = False  # inference only (`_check`)
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
+        # The last `float_inputs` input channels (outliers, put there by the caller) stay float32.
+        self.float_inputs = float_inputs
+        self.register_buffer("float_weight", weight[:, weight.shape[1] - float_inputs :].T.contiguous())  # (F, M)
+        weight = weight[:, : weight.shape[1] - float_inputs]
         self.floor = floor
+        int8_inputs = weight.shape[1]
         if floor is not None:
-            shift = torch.full((self.in_features,), float(floor))
+            shift = torch.full((int8_inputs,), float(floor))
         if shift is not None:
             bias = bias + weight @ shift.float()
         if floor is None and (shift is not None or smooth is not None):
-            inverse = torch.ones(self.in_features) if smooth is None else 1.0 / smooth.float()
-            centre = torch.zeros(self.in_features) if shift is None else shift.float()
+            inverse = torch.ones(int8_inputs) if smooth is None else 1.0 / smooth.float()
+            centre = torch.zeros(int8_inputs) if shift is None else shift.float()
             self.register_buffer("input_scale", inverse)  # x' = x * input_scale + input_offset
             self.register_buffer("input_offset", -centre * inverse)
         else:
@@ -188,6 +205,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
         rows = x.reshape(-1, self.in_features)  # (N, K)
+        rows, kept = rows[:, : self.in_features - self.float_inputs], rows[:, self.in_features - self.float_inputs :]
         if self.input_scale is not None:
             rows = torch.addcmul(self.input_offset, rows, self.input_scale)
         step = self._steps(rows)  # (N, 1)
@@ -198,11 +216,13 @@ class Int8Linear(nn.Module):
             q, zero_point = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
         # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
         # their bits (and float -> int8 converts several times faster than float -> uint8).
-        q = q.to(torch.int8).view(torch.uint8)
+        q = q.to(torch.int8).view(torch.uint8)  # (N, K - F), contiguous
         acc = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
         )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
         out = torch.addcmul(self.bias, acc, step)  # (out=acc, in place, was measured slower)
+        if self.float_inputs:
+            out = torch.addmm(out, kept, self.float_weight)  # the outlier channels, in float32
         return out.view(*x.shape[:-1], self.out_features)
 
     def _steps(self, rows: Tensor) -> Tensor:
@@ -227,7 +247,11 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         rows = "unsigned" if self.floor is not None else "signed"
         pre = ", shifted/smoothed" if self.input_scale is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit {rows} rows{pre}"
+        kept = f", {self.float_inputs} inputs in float32" if self.float_inputs else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit {rows} rows"
+            f"{pre}{kept}"
+        )
 
 
 def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING_ALPHA) -> Tensor:
@@ -258,6 +282,7 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
     for i, layer in enumerate(model.bert_layers):
         handles.append(layer.self_attention.register_forward_pre_hook(record((i, "qkv"))))
         handles.append(layer.interm_dense.register_forward_pre_hook(record((i, "interm_dense"))))
+        handles.append(layer.out_dense.register_forward_pre_hook(record((i, "out_dense"))))
     try:
         for batch in batches:
             model(**batch)
@@ -309,12 +334,15 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
         for name in ("query", "key", "value"):  # the padded path's three projections (left padding, eager)
             linear = getattr(attention, name)
             setattr(attention, name, Int8Linear(linear.weight, linear.bias, **qkv))
-        interm = layer.interm_dense
+        interm, out = layer.interm_dense, layer.out_dense
+        # The FFN's channels reordered so that the FLOAT_OUTLIERS largest (by calibration) come last,
+        # where out_dense keeps them in float32: GELU acts on each channel alone, so this is exact.
+        order = stats[(i, "out_dense")][0].argsort()
         layer.interm_dense = Int8Linear(
-            interm.weight, interm.bias, **centred(stats[(i, "interm_dense")], interm.weight)
+            interm.weight[order], interm.bias[order], **centred(stats[(i, "interm_dense")], interm.weight)
         )
+        layer.out_dense = Int8Linear(out.weight[:, order], out.bias, floor=floor, float_inputs=FLOAT_OUTLIERS)
         layer.attention_dense = Int8Linear(layer.attention_dense.weight, layer.attention_dense.bias)
-        layer.out_dense = Int8Linear(layer.out_dense.weight, layer.out_dense.bias, floor=floor)
     model.quantization = "int8"
     return model.eval()
 

@@ -152,7 +152,9 @@ def test_every_head_loads_int8_and_runs_the_packed_path(tiny_path, cls, output):
     expected_model = cls.from_pretrained(tiny_path, **extra)
     torch.manual_seed(0)
     model = cls.from_pretrained(tiny_path, quantization="int8", **extra)
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * model.config.num_hidden_layers  # qkv, q, k, v, 3 dense
+    assert (
+        sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * model.config.num_hidden_layers
+    )  # qkv, q, k, v, 3 dense
     calls = []
     model.encoder.bert_layers[0].self_attention.qkv.register_forward_hook(lambda *a: calls.append(1))
     batch = {"input_ids": torch.tensor([[101, 2023, 2003, 1037, 102], [101, 7592, 102, 0, 0]])}
@@ -167,8 +169,8 @@ def test_every_head_loads_int8_and_runs_the_packed_path(tiny_path, cls, output):
 @pytest.mark.slow
 def test_predict_flag_runs_the_int8_classifier(tmp_path, minilm_path, texts, capsys):
     from bert_port.cli import predict
-    from bert_port.training import predict as predict_scores
     from bert_port.data import TextDataset
+    from bert_port.training import predict as predict_scores
 
     torch.manual_seed(0)
     BertForSequenceClassification.from_pretrained(minilm_path, num_labels=2).save_pretrained(tmp_path / "model")
