@@ -18,8 +18,8 @@ The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
 - y = step_row * sum_k q_k W_int8[m, k] * w_scale_m + bias': the int32 product is exact, the
   rest float32, and the shifts below are folded into bias' (x W^T = (x - c) W^T + W c);
 - the two projections fed by a LayerNorm (the fused QKV and `interm_dense`) quantize
-  (x - c) / s instead of x: c_k is the centre of channel k's range and s_k SmoothQuant's
-  divisor (Xiao et al., 2023), a_k^0.5 / max_m|W[m, k]|^0.5 with a_k the half-range, which
+  (x - c) / s instead of x: c_k is channel k's mean and s_k SmoothQuant's divisor (Xiao et
+  al., 2023), a_k^0.5 / max_m|W[m, k]|^0.5 with a_k its largest deviation from c_k, which
   moves the LayerNorm outputs' outlier channels into the weights, where the per-channel
   scales absorb them (W's column k is multiplied by s_k). Both come from one float32 pass over
   `CALIBRATION_TEXTS` at quantization. (Post-LN, the LayerNorm's output is also the
@@ -70,22 +70,22 @@ WEIGHT_LEVELS = 127  # symmetric int8
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
 FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
 
-# Real sentences of several kinds and lengths, run once through the float32 model to find each
-# LayerNorm-fed projection's largest input per channel. The channels that stand out are the
+# Sentences of several kinds and lengths, written for this (none is from the MR or SMS sets),
+# run once through the float32 model to find each LayerNorm-fed projection's input range per
+# channel. The channels that stand out are the
 # model's own (set by LayerNorm weights), so a couple of dozen ordinary sentences find them.
 CALIBRATION_TEXTS: tuple[str, ...] = (
-    "a warm , funny , engaging film .",
+    "a warm , funny and quietly moving film about two brothers .",
     (
-        "the plot is nothing but boilerplate clichés from start to finish , and the script assumes that not only "
-        "would subtlety be lost on the target audience , but that it's also too stupid to realize that they've "
-        "already seen this exact same movie a hundred times ."
+        "the script hits every beat you expect , the jokes land a second too late , and by the third act even the "
+        "actors seem to be waiting for the credits ; a long , loud and strangely weightless evening at the movies ."
     ),
-    "it's a lovely film with lovely performances by buy and accorsi .",
+    "the lead gives a fine , understated performance .",
     "The committee will publish its final report on the proposed railway extension next spring.",
     "Researchers found that the new alloy keeps its strength at temperatures above 900 degrees.",
     "Can you pick up some milk and bread on your way home tonight?",
-    "Free entry in 2 a wkly comp to win FA Cup final tkts 21st May 2005. Text FA to 87121 to receive entry.",
-    "U dun say so early hor... U c already then say...",
+    "CONGRATS! u have won a 2-night city break. Reply WIN to 80082 now, T&Cs apply, 18+ only",
+    "r u still at the station? cant find u... ill wait by the clock k",
     "The museum's new wing, designed by a Danish studio, opens to the public on 3 March.",
     "Photosynthesis converts light energy into chemical energy stored in glucose.",
     "I've been waiting for over an hour and nobody has answered the phone.",
@@ -261,20 +261,24 @@ def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING_ALPHA)
     return (input_max.clamp_min(floor) ** alpha / column_max ** (1 - alpha)).clamp_min(floor)
 
 
+Ranges = tuple[Tensor, Tensor, Tensor]  # per input channel: (K,) max, min and mean
+
+
 @torch.inference_mode()
-def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
-    """The largest and smallest input per channel of each layer's LayerNorm-fed projections,
-    the fused QKV ("qkv") and `interm_dense`, over `batches` run through the (float32)
-    encoder `model`: {(layer, name): ((K,) max, (K,) min)}."""
-    stats: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], Ranges]:
+    """The largest, smallest and mean input per channel of the fused QKV ("qkv"),
+    `interm_dense` and `out_dense` of every layer, over the real tokens of `batches` run
+    through the (float32) encoder `model`: {(layer, name): (max, min, mean)}."""
+    stats: dict[tuple[int, str], list[Tensor]] = {}
 
     def record(key: tuple[int, str]):
         def hook(module: nn.Module, inputs: tuple) -> None:
             x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            high, low = x.amax(dim=0), x.amin(dim=0)
+            new = [x.amax(dim=0), x.amin(dim=0), x.sum(dim=0), torch.tensor(float(x.shape[0]))]
             if key in stats:
-                high, low = torch.maximum(stats[key][0], high), torch.minimum(stats[key][1], low)
-            stats[key] = (high, low)
+                old = stats[key]
+                new = [torch.maximum(old[0], new[0]), torch.minimum(old[1], new[1]), old[2] + new[2], old[3] + new[3]]
+            stats[key] = new
 
         return hook
 
@@ -283,20 +287,27 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
         handles.append(layer.self_attention.register_forward_pre_hook(record((i, "qkv"))))
         handles.append(layer.interm_dense.register_forward_pre_hook(record((i, "interm_dense"))))
         handles.append(layer.out_dense.register_forward_pre_hook(record((i, "out_dense"))))
+    config = model.config
+    # Packed rows without filler: the layers see real tokens only (an encoder; a decoder's pads,
+    # right of its tokens, attend causally to them and look like them).
+    saved = (config.unpad_inputs, config.attn_implementation, config.batch_invariant)
+    config.unpad_inputs, config.attn_implementation, config.batch_invariant = True, "sdpa", False
     try:
         for batch in batches:
             model(**batch)
     finally:
+        config.unpad_inputs, config.attn_implementation, config.batch_invariant = saved
         for handle in handles:
             handle.remove()
-    return stats
+    return {key: (high, low, total / count) for key, (high, low, total, count) in stats.items()}
 
 
-def centred(stats: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:
-    """`Int8Linear`'s shift (the centre of each channel's calibrated range) and SmoothQuant
-    divisor (from the half-range about that centre) for one LayerNorm-fed projection."""
-    high, low = stats
-    return {"shift": (high + low) / 2, "smooth": smoothing((high - low) / 2, weight)}
+def centred(ranges: Ranges, weight: Tensor) -> dict[str, Tensor]:
+    """`Int8Linear`'s shift (each channel's calibrated mean: robust where a range's midpoint
+    follows one extreme token) and SmoothQuant divisor (from the largest deviation from it) for
+    one LayerNorm-fed projection."""
+    high, low, mean = ranges
+    return {"shift": mean, "smooth": smoothing(torch.maximum(high - mean, mean - low), weight)}
 
 
 def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
