@@ -222,3 +222,16 @@ def test_configs_are_found_in_the_checkout():
         "finetune_sms_minilm",
     ):
         assert config_path(name).is_file(), name
+
+
+def test_int8_accuracy_columns_compare_embeddings_with_float32():
+    import torch.nn.functional as F
+
+    from bert_port.bench.int8 import accuracy
+
+    torch.manual_seed(0)
+    expected = F.normalize(torch.randn(120, 16), dim=1)
+    same = accuracy(expected, expected)
+    assert same["cos_mean"] == pytest.approx(1.0) and same["neighbours_kept"] == 1.0
+    noisy = accuracy(expected, F.normalize(expected + 0.3 * torch.randn(120, 16), dim=1))
+    assert noisy["cos_min"] < noisy["cos_mean"] < 1.0 and noisy["neighbours_kept"] < 1.0

@@ -238,6 +238,20 @@ def test_embed_flag_writes_int8_embeddings(tmp_path, minilm_path, int8, referenc
     assert F.cosine_similarity(written, reference[:40], dim=1).min() >= INT8_ACCURACY.embedding_cosine_min
 
 
+@pytest.mark.slow
+def test_parity_cli_int8_row_passes_and_skips_cuda(capsys):
+    from bert_port.cli import parity as parity_cli
+
+    argv = ["--dtype", "int8", "--device", "all", "--max-length", "32", "--no-adversarial", "--no-progress"]
+    assert parity_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cpu int8: PASS   tolerance |ours - ref| <= 0.64 + 0 * |ref|" in out
+    if not torch.cuda.is_available():
+        assert "cuda (int8): SKIPPED" in out
+    else:
+        assert "int8 runs on the CPU only" in out
+
+
 # -- bad input ----------------------------------------------------------------------------
 
 
