@@ -6,7 +6,8 @@ What is int8. In every `BertLayer`, the fused query-key-value projection (and, f
 path, query, key and value each), `attention_dense`, `interm_dense` and `out_dense`: all of
 the encoder's matmuls but attention's own two. Embeddings, LayerNorms, attention (scores,
 softmax, context), the pooler and the task heads stay float32: they are a small share of
-the time, and the heads are where a user reads the result.
+the time, and the heads are where a user reads the result; so do the FFN's few outlier
+channels (below).
 
 The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
 - weights: symmetric int8 per output channel, scale max|W_m| / 127, quantized once;
@@ -26,8 +27,8 @@ The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
   residual, so they cannot be folded into the LayerNorm.)
 - `out_dense` keeps the FFN's `FLOAT_OUTLIERS` channels with the largest calibrated
   activations in float32 (LLM.int8()'s decomposition, Dettmers et al., 2022): a few GELU
-  channels reach 15-25 where the others stay below 5, and would set the step of every row
-  they fire in. `interm_dense`'s outputs are reordered so that those channels come last (GELU
+  channels reach several times the others' largest values, and would set the step of every
+  row they fire in. `interm_dense`'s outputs are reordered so that those channels come last (GELU
   acts on each channel alone, so this is exact), and out_dense adds their (N, 8) x (8, M)
   float32 product to the int8 one.
 
@@ -36,21 +37,21 @@ Why these choices (the measurements are in the README's "int8" sections):
   and `qlinear_pointwise`, what torch.compile's x86 backend lowers int8 linears to), called
   eagerly on the packed rows; no extra package. torchao's `Int8DynamicActivationInt8WeightConfig`
   computes a per-token scheme too, but eagerly through `torch._int_mm`, which has no fast CPU
-  kernel (tens of times slower than the float32 matmul); only under torch.compile does it reach
+  kernel (far slower than the float32 matmul); only under torch.compile does it reach
   oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
   (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
   which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
 - 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
   u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
   can, and there full 8-bit activations were measured far off the exact product. One scheme
-  on every x86 CPU keeps int8 results the same on all of them.
-- The float32 outlier channels: on a classifier fine-tuned from MiniLM on MR, int8 without them
-  lost 0.57 points of test accuracy, with them none (the README's figures), at no measurable cost.
+  on every x86 CPU keeps the int8 values and their exact int32 products the same on all.
+- The float32 outlier channels: without them a classifier fine-tuned on MR lost more than the
+  bar of test accuracy in int8, with them it keeps it, at no measurable cost in speed.
 - Shift and smoothing where a LayerNorm feeds the projection only: on `out_dense` a
   calibrated centre made things much worse (GELU outputs are heavy-tailed), and smoothing
   `attention_dense` and `out_dense` slightly worse; the activation floor does better there.
-  A per-row minimum (asymmetric rows) was as accurate, but its (N, M) correction term cost a
-  fifth of the int8 speed-up.
+  A per-row minimum (asymmetric rows) was as accurate, but its (N, M) correction term, one
+  more pass over every output, cost much of the int8 speed-up.
 
 An int8 model is for inference on the CPU in float32 activations: training, CUDA, other
 dtypes and saving are refused with errors that say what to do (fine-tune and save the
