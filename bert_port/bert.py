@@ -81,6 +81,9 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        # int8 (`quantization.py`): query, key and value fused into one quantized Linear for
+        # packed rows, set when the model is quantized; None in floating point.
+        self.qkv: nn.Module | None = None
         # Read at every call, as transformers does: `config.attn_implementation` is the one
         # attention switch, "eager" (`attention` below), "sdpa" or "varlen" (attention.py).
         self.config = config
@@ -146,7 +149,7 @@ class BertSelfAttention(nn.Module):
         dropout_p = self.dropout.p if self.training else 0.0
         if packing is not None:
             # Real tokens only: query, key and value in one matmul on N rows instead of three on B*T.
-            qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
+            qkv = F.linear(hidden_states, *self.fused_qkv()) if self.qkv is None else self.qkv(hidden_states)  # (N, 3H)
             if implementation == "varlen" and varlen_supported(qkv, dropout_p):
                 return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
             # Otherwise attention on each sequence's real tokens (attention.py says why).

@@ -22,7 +22,10 @@ CHECK_FINITE_MODES = ("error", "warn", "ignore")
 
 _NO_NETWORK = "the port never uses the network: it reads local folders and the local HF cache only"
 _ONE_DEVICE = "the port keeps the whole model on one device (pass device= or device_map='cuda:0')"
-_NO_QUANTISATION = "quantised loading is not supported; load in floating point (dtype=torch.float16, ...)"
+_NO_QUANTISATION = (
+    "transformers' quantisation backends are not supported; pass quantization='int8' for the port's own int8 "
+    "inference on the CPU, or load in floating point (dtype=torch.float16, ...)"
+)
 _NOT_TORCH = "only PyTorch (.bin) and safetensors weights are read; convert the weights with transformers first"
 # transformers' from_pretrained arguments the port does not take, and why: a user passing them
 # is told so, not to check the spelling.
@@ -132,6 +135,29 @@ def resolve_device_map(device: str | torch.device | None, device_map: object) ->
     if device is not None and resolve_device(device) != resolved:
         raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass only one of them")
     return resolved
+
+
+def resolve_quantization(
+    quantization: str | None, dtype: torch.dtype | None, device: torch.device | None
+) -> str | None:
+    """`quantization` (None or "int8", `quantization.check_quantization`), checked against the
+    dtype and device asked for: int8 runs on the CPU, from float32 weights."""
+    from .quantization import check_quantization
+
+    check_quantization(quantization)
+    if quantization is None:
+        return None
+    if device is not None and device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU, not on {device}: drop device= (or pass device='cpu'), "
+            "or load in floating point for the GPU (e.g. dtype=torch.bfloat16)"
+        )
+    if dtype is not None and dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} quantizes the float32 weights and runs in float32 between the int8 "
+            f"matmuls; dtype={str(dtype).removeprefix('torch.')} cannot go with it: drop dtype= or pass torch.float32"
+        )
+    return quantization
 
 
 def init_kwarg_names(cls: type[BertPreTrainedModel]) -> set[str]:

@@ -37,6 +37,7 @@ from .loader_arguments import (
     resolve_device_map,
     resolve_dtype,
     resolve_dtypes,
+    resolve_quantization,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def from_pretrained(
     cache_dir: str | os.PathLike | None = None,
     local_files_only: bool = True,
     output_loading_info: bool = False,
+    quantization: str | None = None,
     **kwargs,
 ):
     """Load an HF BERT checkpoint: a directory, a weights file (with `config.json`
@@ -102,6 +104,9 @@ def from_pretrained(
         the network, so every load is local.
     output_loading_info: also return `model.loading_info` (what was renamed, dropped,
         skipped or newly initialised), as transformers' flag of the same name does.
+    quantization: "int8" makes the encoder's dense layers int8 for inference on the CPU
+        (`bert_port.quantization`: float32 weights, calibrated on built-in sentences with the
+        checkpoint's tokenizer); None (default) keeps floating point.
     Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
     `num_labels=3`, or any field the checkpoint's config.json has) or go to the
     constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError`
@@ -114,6 +119,8 @@ def from_pretrained(
     check_finite_mode(check_finite)
     dtype = resolve_dtypes(dtype, torch_dtype)
     device = resolve_device_map(device, device_map)  # before any file is read
+    if resolve_quantization(quantization, dtype, device):
+        dtype = torch.float32  # int8 quantizes the float32 weights, whatever the checkpoint holds
     # The folder first, its files only under its lock: config and weights of one save, however saves race.
     with ckpt.read_snapshot(ckpt.checkpoint_folder(path, revision, cache_dir)):
         files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
@@ -123,6 +130,10 @@ def from_pretrained(
     model = build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=dtype, device=device, check_finite=check_finite
     )
+    if quantization is not None:
+        from .quantization import quantize_for_loading
+
+        quantize_for_loading(model)
     return (model, model.loading_info) if output_loading_info else model
 
 

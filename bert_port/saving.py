@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
     """The model's state dict under Hugging Face names (the inverse of the key table). Tied
     targets are left out: they are written once, under the name of what they are tied to."""
+    from .quantization import refuse_saving
+
+    refuse_saving(model)
     state = {
         k.removeprefix(model.port_encoder_prefix): v
         for k, v in model.state_dict().items()
@@ -72,6 +75,9 @@ def save_pretrained(
     (default: those the model carries from its source, `carried_sentence_files`). The folder
     is one `checkpoint.StagedWrite`: an interrupted, killed or concurrent save leaves one
     whole checkpoint, the old or the new."""
+    from .quantization import refuse_saving
+
+    refuse_saving(model)  # before anything is created
     ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
     out = Path(save_directory)
     config = config_to_write(model)

@@ -235,7 +235,7 @@ class SentenceEncoder(nn.Module):
             normalize=settings["normalize"] if normalize is None else normalize,
             max_seq_length=settings["max_seq_length"] if max_seq_length is None else max_seq_length,
             do_lower_case=settings["do_lower_case"],
-        )
+        ).eval()  # as the model: `encode` restores the mode it finds, and an int8 model runs only in eval
 
     @classmethod
     def _load_parts(cls, path: str | os.PathLike, root: Path, model_kwargs: dict) -> tuple[BertModel, dict]:

@@ -134,7 +134,7 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     (shim / "__init__.py").write_text("raise ImportError('no ctranslate2 in this test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), str(REPO), os.environ.get("PYTHONPATH", "")])}
     md, js = tmp_path / "bench.md", tmp_path / "bench.json"
-    argv = ["--quick", "--skip", "import,roofline,fixed,load,finetune", "--peers", "ctranslate2", "--bf16", "off"]
+    argv = ["--quick", "--skip", "import,roofline,int8,fixed,load,finetune", "--peers", "ctranslate2", "--bf16", "off"]
     out = subprocess.run(
         [sys.executable, "-m", "bert_port.cli.bench", *argv, "--markdown", str(md), "--json", str(js)],
         capture_output=True,
@@ -222,3 +222,16 @@ def test_configs_are_found_in_the_checkout():
         "finetune_sms_minilm",
     ):
         assert config_path(name).is_file(), name
+
+
+def test_int8_accuracy_columns_compare_embeddings_with_float32():
+    import torch.nn.functional as F
+
+    from bert_port.bench.int8 import accuracy
+
+    torch.manual_seed(0)
+    expected = F.normalize(torch.randn(120, 16), dim=1)
+    same = accuracy(expected, expected)
+    assert same["cos_mean"] == pytest.approx(1.0) and same["neighbours_kept"] == 1.0
+    noisy = accuracy(expected, F.normalize(expected + 0.3 * torch.randn(120, 16), dim=1))
+    assert noisy["cos_min"] < noisy["cos_mean"] < 1.0 and noisy["neighbours_kept"] < 1.0

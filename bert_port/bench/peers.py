@@ -143,7 +143,23 @@ def onnxruntime_rows(
     ort = require("onnxruntime")
     require("onnxscript")
     _check_worker(worker, device)
-    path = workdir / "transformers.onnx"
+    path = onnx_export(reference, workdir / "transformers.onnx")
+    name = f"ONNX Runtime {ort.__version__}, fp32 (exported from transformers)"
+    if worker is not None:
+        return {name: worker.build(name, "onnxruntime", {"path": str(path), "threads": threads})}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"])
+
+    def forward(batch: dict[str, Tensor]) -> Tensor:
+        return torch.from_numpy(session.run(["last_hidden_state"], _feeds(batch))[0])
+
+    return {name: Row(forward)}
+
+
+def onnx_export(reference, path: Path) -> Path:
+    """transformers' model as ONNX at `path` (`torch.onnx.export(dynamo=True)`), dynamic batch
+    and length, outputs last_hidden_state and pooler_output."""
     example = _example_batch(reference.config.vocab_size)
     batch_dim, seq_dim = (
         torch.export.Dim("batch"),
@@ -161,17 +177,7 @@ def onnxruntime_rows(
             verbose=False,
         )
     program.save(str(path))
-    name = f"ONNX Runtime {ort.__version__}, fp32 (exported from transformers)"
-    if worker is not None:
-        return {name: worker.build(name, "onnxruntime", {"path": str(path), "threads": threads})}
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"])
-
-    def forward(batch: dict[str, Tensor]) -> Tensor:
-        return torch.from_numpy(session.run(["last_hidden_state"], _feeds(batch))[0])
-
-    return {name: Row(forward)}
+    return path
 
 
 def _example_batch(vocab_size: int) -> dict[str, Tensor]:

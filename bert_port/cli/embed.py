@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default="auto", help="'auto' (the GPU if any), 'cpu', 'cuda' or 'cuda:N'; torchrun: cuda:LOCAL_RANK"
     )
+    p.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: the encoder's dense layers in int8 (CPU only; bert_port.quantization); default float",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace another run's embeddings in OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         device=_device(args.device),
+        quantization=args.quantization,
     )
     try:
         job = prepare(args.model, args.input, args.output, columns, opts)

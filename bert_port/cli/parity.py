@@ -7,7 +7,9 @@ spread. By default both sides read the same file, which checks the forward pass 
 key mapping but cannot see wrong weights; `--reference-checkpoint` has transformers read a
 known-good checkpoint instead, to diff a converted, fine-tuned or suspect one against it.
 Checkpoints whose configs differ in other fields than the shapes are compared, and the
-report lists those fields as likely causes of a FAIL.
+report lists those fields as likely causes of a FAIL. The int8 row is the port loaded with
+quantization="int8" against transformers in float32, within the int8 tolerance of
+bert_port/tolerance.py.
 Exit status: 0 when every check passes, 1 when any fails, 2 on bad usage, a checkpoint
 that cannot be loaded (or two checkpoints of different shapes), or a missing extra
 (transformers: `pip install 'bert-port[parity]'`; matplotlib for --plot: `bert-port[plot]`).
@@ -48,7 +50,7 @@ def _dtypes(text: str) -> list[torch.dtype]:
     if not names or unknown:
         raise argparse.ArgumentTypeError(
             f"unknown dtype(s) {', '.join(unknown) or repr(text)}; use a comma-separated list of "
-            "float32, bfloat16, float16"
+            "float32, bfloat16, float16, int8"
         )
     return list(dict.fromkeys(parity.DTYPES[n] for n in names))
 
@@ -131,8 +133,9 @@ def _comparison_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         type=_dtypes,
-        default="float32,bfloat16,float16",
-        help="comma-separated dtypes to check, each on every device (default float32,bfloat16,float16)",
+        default="float32,bfloat16,float16,int8",
+        help="comma-separated dtypes to check, each on every device; int8 is the port loaded with "
+        "quantization='int8' (CPU only) against transformers in float32 (default float32,bfloat16,float16,int8)",
     )
     p.add_argument(
         "--attn",

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     parser.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: the encoder's dense layers in int8 (CPU only; bert_port.quantization); default float",
+    )
+    parser.add_argument(
         "--threshold",
         type=_probability,
         default=0.5,
@@ -136,6 +142,7 @@ def _prepare(args: argparse.Namespace) -> dict:
         device = resolve_device(args.device, what="--device")
     except ValueError as exc:
         raise FinetuneError(str(exc)) from None
+    _check_quantization(args, device)
     file_format(args.output)
     out = Path(args.output)
     if out.is_dir():
@@ -168,7 +175,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     max_length = args.max_length if args.max_length is not None else _trained_max_length(trained, Path(args.model))
     check_max_length(max_length, config.max_position_embeddings, pairs=pair_column is not None)
     activation = _activation(args.activation, problem, _cross_encoder_activation(Path(config_file).parent, config))
-    model = BertForSequenceClassification.from_pretrained(args.model)
+    model = BertForSequenceClassification.from_pretrained(args.model, quantization=args.quantization)
     tokenizer = load_tokenizer(model.source_dir)
     _output_folder(out)
     return dict(
@@ -182,6 +189,16 @@ def _prepare(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+def _check_quantization(args: argparse.Namespace, device) -> None:
+    """--quantization int8 runs on the CPU in float32: refused with --bf16 or another device."""
+    from bert_port.training import FinetuneError
+
+    if args.quantization and device.type != "cpu":
+        raise FinetuneError(f"--quantization {args.quantization} runs on the CPU, not on {device}: pass --device cpu")
+    if args.quantization and args.bf16:
+        raise FinetuneError(f"--quantization {args.quantization} runs in float32 between its int8 matmuls: drop --bf16")
 
 
 def _run(args: argparse.Namespace, job: dict) -> int:
@@ -239,7 +256,7 @@ def _prepare_tagging(args: argparse.Namespace, device, out: Path) -> dict:
         )
     config_file = locate_checkpoint(args.model).config_file
     names = config_label_names(BertConfig.from_json_file(config_file), str(config_file))
-    model = BertForTokenClassification.from_pretrained(args.model)
+    model = BertForTokenClassification.from_pretrained(args.model, quantization=args.quantization)
     tokenizer = load_tokenizer(model.source_dir)
     # transformers' pipeline truncates at the tokenizer's limit, not at the training length.
     limit = min(tokenizer.truncation["max_length"], model.config.max_position_embeddings)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..devices import resolve_device
+from ..quantization import QUANTIZATIONS
 from ..sentence import SentenceEncoder
 from . import store
 from .corpus import Columns, EmbedError, Scan, input_format, records, scan
@@ -71,6 +72,8 @@ def _check_options(opts: Options, output: Path) -> None:
         for n, v in sizes.items()
         if not isinstance(v, int) or v < 1
     ]
+    if opts.quantization not in (None, *QUANTIZATIONS):
+        bad.append(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {opts.quantization!r}")
     if opts.dtype not in DTYPES:
         bad.append(f"--dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
     if output.exists() and not output.is_dir():
@@ -109,7 +112,9 @@ def prepare(
         device = resolve_device(opts.device or "cpu", what="--device")
     except ValueError as exc:
         raise EmbedError(str(exc)) from None
-    encoder = SentenceEncoder.from_pretrained(model, device=device)
+    if opts.quantization and device.type != "cpu":
+        raise EmbedError(f"--quantization {opts.quantization} runs on the CPU, not on {device}: pass --device cpu")
+    encoder = SentenceEncoder.from_pretrained(model, device=device, quantization=opts.quantization)
     if opts.batch_tokens < encoder.max_seq_length:
         raise EmbedError(
             f"--batch-tokens {opts.batch_tokens} is smaller than the model's max_seq_length "

@@ -52,6 +52,7 @@ class Options:
     overwrite: bool = False
     progress: bool = True
     device: str | None = None
+    quantization: str | None = None  # "int8": SentenceEncoder.from_pretrained(quantization="int8")
 
 
 @dataclass
@@ -118,6 +119,7 @@ def run_settings(encoder: SentenceEncoder, root: Path, found: Scan, columns: Col
         "shard_size": opts.shard_size,
         "batch_tokens": opts.batch_tokens,
         "sort_window": opts.sort_window,
+        **({"quantization": opts.quantization} if opts.quantization else {}),  # float runs keep their old index
     }
 
 

@@ -32,7 +32,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
     "half": torch.float16,
+    "int8": torch.int8,  # the port with quantization="int8" (CPU); the reference stays float32
 }
+INT8_ON_CPU_ONLY = "int8 runs on the CPU only (bert_port.quantization)"
 
 
 # Every compared tensor is a LayerNorm or tanh output, so O(1): the relative difference is
@@ -284,17 +286,16 @@ def check_matrix(
         raise ValueError(f"no tolerance for {', '.join(unknown)}: pass tolerances={{dtype: Tolerance(atol, rtol)}}")
     rows = []
     for device in devices:
-        reason = cuda_unavailable_reason() if device.startswith("cuda") else None
+        unavailable = cuda_unavailable_reason() if device.startswith("cuda") else None
         for dtype in dtypes:
+            int8_elsewhere = dtype == torch.int8 and device != "cpu"
+            reason = unavailable or (INT8_ON_CPU_ONLY if int8_elsewhere else None)
             row = Row(device, dtype_name(dtype), tolerances[dtype], skipped=reason)
             rows.append(row)
             if reason:
                 continue
             start = time.perf_counter()
-            models = [
-                None if m is None else copy.deepcopy(m).to(device=device, dtype=dtype).eval()
-                for m in (ours, reference, spread_reference)
-            ]
+            models = _copies(ours, reference, spread_reference, device, dtype)
             with exact_float32():
                 row.sites = compare(
                     models[0],
@@ -310,3 +311,18 @@ def check_matrix(
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows
+
+
+def _copies(ours: nn.Module, reference: nn.Module, spread: nn.Module | None, device: str, dtype: torch.dtype) -> list:
+    """The three models on `device` in `dtype`, copied (the originals are left as they are).
+    int8: ours quantized from a float32 copy (`quantization.quantize_for_loading`: it calibrates
+    with the tokenizer of the folder it was loaded from), the references in float32."""
+    if dtype != torch.int8:
+        return [
+            None if m is None else copy.deepcopy(m).to(device=device, dtype=dtype).eval()
+            for m in (ours, reference, spread)
+        ]
+    from ..quantization import quantize_for_loading
+
+    quantized = quantize_for_loading(copy.deepcopy(ours).float())
+    return [quantized] + [None if m is None else copy.deepcopy(m).float().eval() for m in (reference, spread)]

@@ -1,0 +1,208 @@
+"""The int8 section: the port with `quantization="int8"` against CTranslate2 int8 (and ONNX
+Runtime int8, dynamically quantized from an ONNX export of transformers' model), each peer
+in a process of its own, at 1 and 2 threads, on the MR batches of the real-text table.
+
+Every row has accuracy columns against the port in float32 of the same run: sentence
+embeddings (mean pooling over real tokens, as all-MiniLM-L6-v2 pools), their cosine to
+float32 (mean, worst) and the share of the top-10 neighbours of 100 queries kept, on 2,000 MR
+sentences (`--quick`: on the timed batches' sentences), beside the bar of
+`tolerance.INT8_ACCURACY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert_port.tolerance import INT8_ACCURACY
+
+from .harness import Row, interleave, mr_batches, mr_texts, ratio
+from .peers import PeerProcess, importable, onnx_export
+from .throughput import model_forward
+
+THREADS = (1, 2)
+ACCURACY_TEXTS, QUERIES, NEIGHBOURS = 2000, 100, 10
+PORT_FP32, PORT_INT8 = "port, fp32", "port, int8"
+
+
+def _ctranslate2_int8(model_dir: Path, workdir: Path, worker: PeerProcess) -> dict[int, Row]:
+    import ctranslate2 as ct2
+
+    out = workdir / "ctranslate2"
+    ct2.converters.TransformersConverter(str(model_dir)).convert(str(out), force=True)
+    name = f"CTranslate2 {ct2.__version__}, int8"
+    return {
+        t: worker.build(
+            f"{name}, {t} thread(s)", "ctranslate2", {"path": str(out), "compute_type": "int8", "threads": t}
+        )
+        for t in THREADS
+    }
+
+
+def _onnxruntime_int8(reference, workdir: Path, worker: PeerProcess) -> dict[int, Row]:
+    """transformers' model exported (`peers.onnx_export`), its MatMul weights quantized to int8
+    by `onnxruntime.quantization.quantize_dynamic` (uint8 activations, one scale per tensor)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    fp32 = onnx_export(reference, workdir / "transformers.onnx")
+    int8 = workdir / "transformers.int8.onnx"
+    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+    return {
+        t: worker.build(f"ONNX Runtime int8, {t} thread(s)", "onnxruntime", {"path": str(int8), "threads": t})
+        for t in THREADS
+    }
+
+
+def peer_rows(args, model_dir: Path, workdir: Path, report, stack: contextlib.ExitStack) -> dict[str, dict[int, Row]]:
+    """{peer name: {threads: row}} for each int8 peer asked for (`--peers`) that builds."""
+    builders = {
+        "CTranslate2 int8": ("ctranslate2", ("ctranslate2",), lambda w: _ctranslate2_int8(model_dir, workdir, w))
+    }
+    if "onnxruntime" in args.peers:
+
+        def onnx(worker):
+            from bert_port.extras import require
+
+            ref = require("transformers").BertModel.from_pretrained(str(model_dir), attn_implementation="sdpa").eval()
+            return _onnxruntime_int8(ref, workdir, worker)
+
+        builders["ONNX Runtime int8"] = ("onnxruntime", ("onnxruntime", "onnx", "onnxscript"), onnx)
+    rows = {}
+    for label, (peer, modules, build) in builders.items():
+        if peer not in args.peers:
+            continue
+        if not all(importable(m) for m in modules):
+            report.line(f"{label}: not installed ({', '.join(modules)}); pip install 'bert-port[bench]'")
+            continue
+        try:
+            rows[label] = build(PeerProcess(stack))
+        except Exception as exc:  # noqa: BLE001  a peer that fails to build is a missing row
+            report.line(f"{label}: left out, it failed to build ({type(exc).__name__}: {str(exc)[:300]})")
+    return rows
+
+
+def embeddings(forward, batches: list[dict[str, Tensor]]) -> Tensor:
+    """Mean-pooled, unit-length sentence embeddings of every batch, from a row's hidden states."""
+    out = []
+    with torch.inference_mode():
+        for batch in batches:
+            hidden = forward(batch).float().cpu()  # (B, T', H), T' <= T (CTranslate2)
+            mask = batch["attention_mask"][:, : hidden.shape[1]].cpu().unsqueeze(-1).float()
+            out.append(F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9), dim=1))
+    return torch.cat(out)
+
+
+def accuracy(expected: Tensor, actual: Tensor) -> dict[str, float]:
+    """Cosine of each embedding to float32's (mean, worst) and the top-10 neighbours kept."""
+    cos = F.cosine_similarity(actual, expected, dim=1)
+    queries = min(QUERIES, len(expected))
+
+    def top(e: Tensor) -> Tensor:
+        sim = e[:queries] @ e.T
+        sim[torch.arange(queries), torch.arange(queries)] = -2.0
+        return sim.topk(min(NEIGHBOURS, len(e) - 1), dim=1).indices
+
+    kept = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top(expected), top(actual)))
+    return {"cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "neighbours_kept": kept / top(expected).numel()}
+
+
+def accuracy_batches(args, tokenizer, timed: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """2,000 MR sentences in batches of 64 of similar length; `--quick`: the timed batches."""
+    from bert_port import encode
+
+    if args.quick:
+        return timed
+    texts = sorted(random.Random(args.seed).sample(mr_texts(), ACCURACY_TEXTS), key=len)
+    return [dict(encode(tokenizer, texts[i : i + 64])) for i in range(0, len(texts), 64)]
+
+
+def section_int8(args, device: torch.device, report) -> dict[str, Any]:
+    from bert_port import BertModel, load_tokenizer
+    from bert_port.assets import minilm_dir
+
+    if device.type != "cpu":
+        report.line("int8: CPU only (bert_port.quantization); skipped on this device")
+        return {}
+    path = minilm_dir()
+    tokenizer = load_tokenizer(path)
+    n = 2 if args.quick else args.batches
+    batches = mr_batches(tokenizer, n, args.batch_size, args.seed, device)
+    checked = accuracy_batches(args, tokenizer, batches)
+    report.section(
+        f"int8: all-MiniLM-L6-v2 on the {n} MR batches of {args.batch_size} above, {args.reps} interleaved repetitions "
+        f"at {' and '.join(map(str, THREADS))} threads; accuracy against the port's fp32 on "
+        f"{sum(len(b['input_ids']) for b in checked)} MR sentences (bar: cosine mean >= "
+        f"{INT8_ACCURACY.embedding_cosine_mean}, worst >= {INT8_ACCURACY.embedding_cosine_min}, top-10 kept >= "
+        f"{INT8_ACCURACY.neighbours_agree})"
+    )
+    fp32 = model_forward(BertModel.from_pretrained(path, device=device))
+    int8 = model_forward(BertModel.from_pretrained(path, quantization="int8"))
+    saved = torch.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-int8-")))
+        peers = peer_rows(args, path, workdir, report, stack)
+        expected = embeddings(fp32, checked)
+        scores = {PORT_FP32: accuracy(expected, expected), PORT_INT8: accuracy(expected, embeddings(int8, checked))}
+        scores.update({name: accuracy(expected, embeddings(rows[1].forward, checked)) for name, rows in peers.items()})
+        result: dict[str, Any] = {"accuracy": scores}
+        try:
+            for threads in THREADS:
+                torch.set_num_threads(threads)
+                timed = {
+                    PORT_FP32: fp32,
+                    PORT_INT8: int8,
+                    **{name: rows[threads].timed for name, rows in peers.items()},
+                }
+                result[f"{threads}_threads"] = interleave(
+                    timed, batches, args.reps, device, f"int8, {threads} thread(s)", args.seed
+                )
+        finally:
+            torch.set_num_threads(saved)
+    _table(result, scores, sum(int(b["attention_mask"].sum()) for b in batches), report)
+    return result
+
+
+def _table(result: dict[str, Any], scores: dict[str, dict[str, float]], tokens: int, report) -> None:
+    ct2 = next((name for name in scores if name.startswith("CTranslate2")), None)
+    rows = []
+    for threads in THREADS:
+        times = result[f"{threads}_threads"]
+        for name, ts in times.items():
+            s = scores[name]
+            rows.append(
+                (
+                    name,
+                    threads,
+                    f"{tokens / statistics.median(ts):.0f}",
+                    f"{ratio(times[PORT_FP32], ts):.2f}",
+                    f"{ratio(times[ct2], ts):.2f}" if ct2 else "",
+                    f"{s['cos_mean']:.4f}",
+                    f"{s['cos_min']:.4f}",
+                    f"{s['neighbours_kept']:.3f}",
+                )
+            )
+    report.table(
+        (
+            "variant",
+            "threads",
+            "real tokens/s",
+            "x port fp32",
+            "x CTranslate2 int8",
+            "embedding cos mean",
+            "worst",
+            "top-10 kept",
+        ),
+        rows,
+    )
+    if ct2:
+        for threads in THREADS:
+            times = result[f"{threads}_threads"]
+            report.line(f"port int8 vs {ct2}, {threads} thread(s): {ratio(times[ct2], times[PORT_INT8]):.2f}x")

@@ -1,0 +1,386 @@
+"""int8 inference on the CPU: `quantize(model, tokenizer)`, which `from_pretrained(path,
+quantization="int8")` calls, and `Int8Linear`, the layer it puts in place of the encoder's
+dense layers.
+
+What is int8. In every `BertLayer`, the fused query-key-value projection (and, for the padded
+path, query, key and value each), `attention_dense`, `interm_dense` and `out_dense`: all of
+the encoder's matmuls but attention's own two. Embeddings, LayerNorms, attention (scores,
+softmax, context), the pooler and the task heads stay float32: they are a small share of
+the time, and the heads are where a user reads the result; so do the FFN's few outlier
+channels (below).
+
+The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
+- weights: symmetric int8 per output channel, scale max|W_m| / 127, quantized once;
+- activations: per row (token), 7 bits, scaled at each call by the row's own range, so a
+  row's result never depends on the other rows of the batch (batch invariance holds, as in
+  float32). `out_dense` reads the activation function's output, which has a known minimum
+  (GELU: -0.17, `ACTIVATION_FLOORS`): its rows are unsigned, x - floor in 0..127 steps of
+  max_row(x - floor) / 127; the other rows are signed, -63..63 steps of max_row|x| / 63;
+- y = step_row * sum_k q_k W_int8[m, k] * w_scale_m + bias': the int32 product is exact, the
+  rest float32, and the shifts below are folded into bias' (x W^T = (x - c) W^T + W c);
+- the two projections fed by a LayerNorm (the fused QKV and `interm_dense`) quantize
+  (x - c) / s instead of x: c_k is channel k's mean and s_k SmoothQuant's divisor (Xiao et
+  al., 2023), a_k^0.5 / max_m|W[m, k]|^0.5 with a_k its largest deviation from c_k, which
+  moves the LayerNorm outputs' outlier channels into the weights, where the per-channel
+  scales absorb them (W's column k is multiplied by s_k). Both come from one float32 pass over
+  `CALIBRATION_TEXTS` at quantization. (Post-LN, the LayerNorm's output is also the
+  residual, so they cannot be folded into the LayerNorm.)
+- `out_dense` keeps the FFN's `FLOAT_OUTLIERS` channels with the largest calibrated
+  activations in float32 (LLM.int8()'s decomposition, Dettmers et al., 2022): a few GELU
+  channels reach several times the others' largest values, and would set the step of every
+  row they fire in. `interm_dense`'s outputs are reordered so that those channels come last (GELU
+  acts on each channel alone, so this is exact), and out_dense adds their (N, 8) x (8, M)
+  float32 product to the int8 one.
+
+Why these choices (the measurements are in the README's "int8" sections):
+- The kernel: oneDNN's int8 matmul through torch's own ops (`torch.ops.onednn.qlinear_prepack`
+  and `qlinear_pointwise`, what torch.compile's x86 backend lowers int8 linears to), called
+  eagerly on the packed rows; no extra package. torchao's `Int8DynamicActivationInt8WeightConfig`
+  computes a per-token scheme too, but eagerly through `torch._int_mm`, which has no fast CPU
+  kernel (far slower than the float32 matmul); only under torch.compile does it reach
+  oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
+  (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
+  which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
+- 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
+  u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
+  can, and there full 8-bit activations were measured far off the exact product. One scheme
+  on every x86 CPU keeps the int8 values and their exact int32 products the same on all.
+- The float32 outlier channels: without them a classifier fine-tuned on MR lost more than the
+  bar of test accuracy in int8, with them it keeps it, at no measurable cost in speed.
+- Shift and smoothing where a LayerNorm feeds the projection only: on `out_dense` a
+  calibrated centre made things much worse (GELU outputs are heavy-tailed), and smoothing
+  `attention_dense` and `out_dense` slightly worse; the activation floor does better there.
+  A per-row minimum (asymmetric rows) was as accurate, but its (N, M) correction term, one
+  more pass over every output, cost much of the int8 speed-up.
+
+An int8 model is for inference on the CPU in float32 activations: training, CUDA, other
+dtypes and saving are refused with errors that say what to do (fine-tune and save the
+float32 model; quantize when loading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+QUANTIZATIONS = ("int8",)
+ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
+WEIGHT_LEVELS = 127  # symmetric int8
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
+FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
+
+# Sentences of several kinds and lengths, written for this (none is from the MR or SMS sets),
+# run once through the float32 model to find each LayerNorm-fed projection's input range per
+# channel. The channels that stand out are the
+# model's own (set by LayerNorm weights), so a couple of dozen ordinary sentences find them.
+CALIBRATION_TEXTS: tuple[str, ...] = (
+    "a warm , funny and quietly moving film about two brothers .",
+    (
+        "the script hits every beat you expect , the jokes land a second too late , and by the third act even the "
+        "actors seem to be waiting for the credits ; a long , loud and strangely weightless evening at the movies ."
+    ),
+    "the lead gives a fine , understated performance .",
+    "The committee will publish its final report on the proposed railway extension next spring.",
+    "Researchers found that the new alloy keeps its strength at temperatures above 900 degrees.",
+    "Can you pick up some milk and bread on your way home tonight?",
+    "CONGRATS! u have won a 2-night city break. Reply WIN to 80082 now, T&Cs apply, 18+ only",
+    "r u still at the station? cant find u... ill wait by the clock k",
+    "The museum's new wing, designed by a Danish studio, opens to the public on 3 March.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "I've been waiting for over an hour and nobody has answered the phone.",
+    "Der Zug nach München fährt um 14:32 Uhr von Gleis 7 ab.",
+    "東京は日本の首都です。",
+    "Q3 revenue rose 12% year over year to $4.8 billion, beating analysts' estimates.",
+    "def add(a, b): return a + b  # adds two numbers",
+    "yes",
+)
+CALIBRATION_PAIRS: tuple[tuple[str, str], ...] = (
+    ("How do I reset my password?", "Click 'Forgot password' on the sign-in page and follow the email link."),
+    ("The cat sat on the mat.", "A dog is running through the park."),
+)
+
+
+class QuantizationError(RuntimeError):
+    """An int8 model used where it cannot run (training, CUDA, another dtype) or saved."""
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """`quantization` if the port has it (None or "int8"), else a `ValueError` naming the choices."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, got {quantization!r}"
+        )
+    if quantization is not None and not torch.backends.mkldnn.is_available():
+        raise ValueError(
+            "quantization='int8' runs on oneDNN's int8 kernels, which this torch build lacks "
+            "(torch.backends.mkldnn.is_available() is False); load in floating point"
+        )
+    return quantization
+
+
+# Greatest lower bounds of `hidden_act` (rounded down): `out_dense` reads the activation's
+# output, so x - floor >= 0 and its rows are quantized unsigned (all 128 levels on [floor, max]).
+ACTIVATION_FLOORS = {
+    **dict.fromkeys(
+        ("gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"),
+        -0.17,  # GELU's minimum, -0.16997 at x = -0.75; quick_gelu's is -0.16
+    ),
+    "gelu_10": -0.17,
+    "quick_gelu": -0.17,
+    **dict.fromkeys(("relu", "relu2", "relu6", "sigmoid", "laplace", "sqrtsoftplus"), 0.0),
+    **dict.fromkeys(("silu", "swish"), -0.279),  # -0.2785
+    "mish": -0.309,  # -0.3088
+    "hardswish": -0.375,
+    "tanh": -1.0,
+}
+TINY = torch.finfo(torch.float32).tiny
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with int8 weights and per-row 7-bit activations (the module docstring has
+    the scheme): x (..., K) float32 -> (..., M) float32, on the CPU, in inference.
+
+    Optional, per input channel k: `shift` (K,) is subtracted from x before quantizing and
+    added back through the bias (y = (x - shift) W^T + (b + W shift)), `smooth` (K,) divides
+    x and multiplies W's column (SmoothQuant). `floor`: a lower bound of every input (the
+    activation's minimum), which makes rows unsigned, x - floor in 0..127 steps; else rows are
+    signed, -63..63 around the zero point 64. The buffers are what the module holds; oneDNN's
+    packed weight is derived from them and rebuilt after a copy or unpickle."""
+
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        shift: Tensor | None = None,
+        smooth: Tensor | None = None,
+        floor: float | None = None,
+        float_inputs: int = 0,
+    ):
+        super().__init__()
+        self.training = False  # inference only (`_check`)
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
+        # The last `float_inputs` input channels (outliers, put there by the caller) stay float32.
+        self.float_inputs = float_inputs
+        self.register_buffer("float_weight", weight[:, weight.shape[1] - float_inputs :].T.contiguous())  # (F, M)
+        weight = weight[:, : weight.shape[1] - float_inputs]
+        self.floor = floor
+        int8_inputs = weight.shape[1]
+        if floor is not None:
+            shift = torch.full((int8_inputs,), float(floor))
+        if shift is not None:
+            bias = bias + weight @ shift.float()
+        if floor is None and (shift is not None or smooth is not None):
+            inverse = torch.ones(int8_inputs) if smooth is None else 1.0 / smooth.float()
+            centre = torch.zeros(int8_inputs) if shift is None else shift.float()
+            self.register_buffer("input_scale", inverse)  # x' = x * input_scale + input_offset
+            self.register_buffer("input_offset", -centre * inverse)
+        else:
+            self.input_scale = self.input_offset = None
+        if smooth is not None:
+            weight = weight * smooth.float()[None, :]
+        scale = (weight.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(TINY)  # (M,)
+        int8 = torch.round(weight / scale[:, None]).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)  # (M, K)
+        self.register_buffer("weight_int8", int8)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", bias.clone())
+        self._pack()
+
+    def _pack(self) -> None:
+        # oneDNN's layout of the weight: an opaque tensor, neither copied nor pickled.
+        self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        rows = x.reshape(-1, self.in_features)  # (N, K)
+        rows, kept = rows[:, : self.in_features - self.float_inputs], rows[:, self.in_features - self.float_inputs :]
+        if self.input_scale is not None:
+            rows = torch.addcmul(self.input_offset, rows, self.input_scale)
+        step = self._steps(rows)  # (N, 1)
+        inverse = 1.0 / step
+        if self.floor is not None:  # unsigned: (x - floor) / step in 0..127
+            q, zero_point = torch.addcmul(0.5 - self.floor * inverse, rows, inverse), 0
+        else:  # signed: x / step in -63..63, stored around 64
+            q, zero_point = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
+        # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
+        # their bits (and float -> int8 converts several times faster than float -> uint8).
+        q = q.to(torch.int8).view(torch.uint8)  # (N, K - F), contiguous
+        acc = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
+        out = torch.addcmul(self.bias, acc, step)  # (out=acc, in place, was measured slower)
+        if self.float_inputs:
+            out = torch.addmm(out, kept, self.float_weight)  # the outlier channels, in float32
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _steps(self, rows: Tensor) -> Tensor:
+        """The quantization step of each of the (N, K) rows, from the row's own range: (N, 1)."""
+        if self.floor is not None:
+            return ((rows.amax(dim=1, keepdim=True) - self.floor) / ACTIVATION_LEVELS).clamp_min(TINY)
+        top = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+        return (top / (ACTIVATION_LEVELS // 2)).clamp_min(TINY)
+
+    def _check(self, x: Tensor) -> None:
+        if self.training:
+            raise QuantizationError(
+                "an int8 model runs inference only: call model.eval(); to fine-tune, train the float32 model "
+                "and load the result with quantization='int8'"
+            )
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise QuantizationError(
+                f"an int8 model runs on the CPU with float32 activations, got {x.dtype} on {x.device}; load the "
+                "model without quantization= for CUDA, bf16 or fp16"
+            )
+
+    def extra_repr(self) -> str:
+        rows = "unsigned" if self.floor is not None else "signed"
+        pre = ", shifted/smoothed" if self.input_scale is not None else ""
+        kept = f", {self.float_inputs} inputs in float32" if self.float_inputs else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit {rows} rows"
+            f"{pre}{kept}"
+        )
+
+
+def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING_ALPHA) -> Tensor:
+    """SmoothQuant's divisor per input channel: a_k^alpha / max_m |W[m, k]|^(1 - alpha)."""
+    floor = 1e-5  # a channel never used (or a zero column) keeps a finite divisor
+    column_max = weight.detach().abs().amax(dim=0).clamp_min(floor)
+    return (input_max.clamp_min(floor) ** alpha / column_max ** (1 - alpha)).clamp_min(floor)
+
+
+Ranges = tuple[Tensor, Tensor, Tensor]  # per input channel: (K,) max, min and mean
+
+
+@torch.inference_mode()
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tuple[int, str], Ranges]:
+    """The largest, smallest and mean input per channel of the fused QKV ("qkv"),
+    `interm_dense` and `out_dense` of every layer, over the real tokens of `batches` run
+    through the (float32) encoder `model`: {(layer, name): (max, min, mean)}."""
+    stats: dict[tuple[int, str], list[Tensor]] = {}
+
+    def record(key: tuple[int, str]):
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            new = [x.amax(dim=0), x.amin(dim=0), x.sum(dim=0), torch.tensor(float(x.shape[0]))]
+            if key in stats:
+                old = stats[key]
+                new = [torch.maximum(old[0], new[0]), torch.minimum(old[1], new[1]), old[2] + new[2], old[3] + new[3]]
+            stats[key] = new
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.bert_layers):
+        handles.append(layer.self_attention.register_forward_pre_hook(record((i, "qkv"))))
+        handles.append(layer.interm_dense.register_forward_pre_hook(record((i, "interm_dense"))))
+        handles.append(layer.out_dense.register_forward_pre_hook(record((i, "out_dense"))))
+    config = model.config
+    # Packed rows without filler: the layers see real tokens only (an encoder; a decoder's pads,
+    # right of its tokens, attend causally to them and look like them).
+    saved = (config.unpad_inputs, config.attn_implementation, config.batch_invariant)
+    config.unpad_inputs, config.attn_implementation, config.batch_invariant = True, "sdpa", False
+    try:
+        for batch in batches:
+            model(**batch)
+    finally:
+        config.unpad_inputs, config.attn_implementation, config.batch_invariant = saved
+        for handle in handles:
+            handle.remove()
+    return {key: (high, low, total / count) for key, (high, low, total, count) in stats.items()}
+
+
+def centred(ranges: Ranges, weight: Tensor) -> dict[str, Tensor]:
+    """`Int8Linear`'s shift (each channel's calibrated mean: robust where a range's midpoint
+    follows one extreme token) and SmoothQuant divisor (from the largest deviation from it) for
+    one LayerNorm-fed projection."""
+    high, low, mean = ranges
+    return {"shift": mean, "smooth": smoothing(torch.maximum(high - mean, mean - low), weight)}
+
+
+def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
+    """`CALIBRATION_TEXTS` and `CALIBRATION_PAIRS` tokenized by the checkpoint's tokenizer."""
+    from .tokenization import encode
+
+    firsts, seconds = zip(*CALIBRATION_PAIRS)
+    return [
+        dict(encode(tokenizer, list(CALIBRATION_TEXTS), max_length=max_length)),
+        dict(encode(tokenizer, list(firsts), list(seconds), max_length=max_length)),
+    ]
+
+
+def quantize(model: nn.Module, tokenizer) -> nn.Module:
+    """Make the encoder of a float32 port model (`BertModel` or any head; `model.encoder`) int8,
+    in place: calibrate on `CALIBRATION_TEXTS` with `tokenizer` (the checkpoint's), then put an
+    `Int8Linear` in place of every dense layer of every `BertLayer` (the module docstring says
+    which stay float32). Returns `model`, in eval mode."""
+    encoder = model.encoder
+    if is_quantized(model):
+        raise QuantizationError("this model is int8 already")
+    if encoder.dtype != torch.float32 or encoder.device.type != "cpu":
+        raise QuantizationError(
+            f"int8 quantization starts from float32 weights on the CPU; the model is {encoder.dtype} on "
+            f"{encoder.device}: load it with dtype=torch.float32 on the CPU"
+        )
+    model.eval()
+    stats = calibrate(encoder, calibration_batches(tokenizer, min(128, encoder.config.max_position_embeddings)))
+    floor = ACTIVATION_FLOORS.get(encoder.config.hidden_act)  # None: signed rows for out_dense too
+    for i, layer in enumerate(encoder.bert_layers):
+        attention = layer.self_attention
+        weight, bias = attention.fused_qkv()
+        qkv = centred(stats[(i, "qkv")], weight)  # one shift and divisor for the three: x is quantized once
+        attention.qkv = Int8Linear(weight, bias, **qkv)
+        for name in ("query", "key", "value"):  # the padded path's three projections (left padding, eager)
+            linear = getattr(attention, name)
+            setattr(attention, name, Int8Linear(linear.weight, linear.bias, **qkv))
+        interm, out = layer.interm_dense, layer.out_dense
+        # The FFN's channels reordered so that the FLOAT_OUTLIERS largest (by calibration) come last,
+        # where out_dense keeps them in float32: GELU acts on each channel alone, so this is exact.
+        order = stats[(i, "out_dense")][0].argsort()
+        layer.interm_dense = Int8Linear(
+            interm.weight[order], interm.bias[order], **centred(stats[(i, "interm_dense")], interm.weight)
+        )
+        layer.out_dense = Int8Linear(out.weight[:, order], out.bias, floor=floor, float_inputs=FLOAT_OUTLIERS)
+        layer.attention_dense = Int8Linear(layer.attention_dense.weight, layer.attention_dense.bias)
+    model.quantization = "int8"
+    return model.eval()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def refuse_saving(model: nn.Module) -> None:
+    """A `QuantizationError` for an int8 model: its float32 weights are gone, and writing the
+    dequantized ones would pass a rounded copy off as the checkpoint."""
+    if is_quantized(model):
+        raise QuantizationError(
+            "an int8 model cannot be saved: quantization happens when loading, from the float32 weights. Save the "
+            "float32 model (load it without quantization=) and load the saved folder with quantization='int8'"
+        )
+
+
+def quantize_for_loading(model: nn.Module) -> nn.Module:
+    """`quantize` with the tokenizer of the folder `model` was loaded from (`from_pretrained`)."""
+    from .tokenization import TokenizerError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model.source_dir)
+    except TokenizerError as exc:
+        raise TokenizerError(
+            f"quantization='int8' calibrates on built-in sentences with the checkpoint's tokenizer: {exc}"
+        ) from None
+    return quantize(model, tokenizer)
