@@ -4,6 +4,7 @@ pairs_{train,validation,test}.jsonl in the working folder."""
 
 import json
 import random
+
 from bert_port.data import load_mr
 
 mr = load_mr(scores=True)  # MR sentences with their mean human rating in [-4, 4]
@@ -14,7 +15,7 @@ rows = []
 for i, j in enumerate(order):
     text, rating = mr.texts[j], float(mr.labels[j])
     agreement = (rating / 4 + 1) / 2  # 1: the rating says positive; 0: negative
-    hypothesis = HYPOTHESES[i % 2]    # each review is paired with one hypothesis, alternating
+    hypothesis = HYPOTHESES[i % 2]  # each review is paired with one hypothesis, alternating
     score = agreement if i % 2 == 0 else 1 - agreement
     rows.append({"text": hypothesis, "text_pair": text, "label": score, "entails": "yes" if score > 0.5 else "no"})
 for name, part in {"train": rows[:8000], "validation": rows[8000:9000], "test": rows[9000:]}.items():
