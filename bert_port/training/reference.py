@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import checkpoint as ckpt
 from ..assets import minilm_dir
+from ..base_bert import BertPreTrainedModel
 from ..classifier import BertForSequenceClassification
 from ..extras import require
 from ..reference import hf_twin
@@ -68,7 +69,7 @@ def load_trained(
 
 def save_model(model: nn.Module, output_dir: Path, source_dir: Path) -> None:
     """HF-format checkpoint of `model` with the tokenizer files beside it."""
-    if isinstance(model, BertForSequenceClassification):
+    if isinstance(model, BertPreTrainedModel):  # the port's: it copies the tokenizer files itself
         model.source_dir = source_dir
         model.save_pretrained(output_dir)
         return
