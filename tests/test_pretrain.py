@@ -52,13 +52,13 @@ def mr_blocks(tokenizer):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """MR sentences: 80 training texts as .txt (one per line; 67 blocks of 32), 40 validation
-    texts as .jsonl (35 blocks);
+    """MR sentences: 48 training texts as .txt (one per line; 41 blocks of 32), 20 validation
+    texts as .jsonl (18 blocks);
     tiny configs (TINY with MiniLM's vocabulary), with and without dropout."""
     root = tmp_path_factory.mktemp("lm")
     splits = builtin_splits("mr")
-    (root / "train.txt").write_text("\n".join(splits["train"].texts[:80]) + "\n", encoding="utf-8")
-    lines = [json.dumps({"text": t}) for t in splits["validation"].texts[:40]]
+    (root / "train.txt").write_text("\n".join(splits["train"].texts[:48]) + "\n", encoding="utf-8")
+    lines = [json.dumps({"text": t}) for t in splits["validation"].texts[:20]]
     (root / "validation.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     for name, dropout in (("tiny", 0.0), ("tiny_dropout", 0.1)):
         config = {**TINY, "vocab_size": 30522, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
@@ -104,11 +104,12 @@ def test_recipe_loss_is_transformers_loss(objective, hf_class, tokenizer, maskin
 
 @pytest.mark.parametrize("objective", ["mlm", "clm"])
 def test_loss_curve_equals_transformers(objective, tmp_path, files):
-    """20 steps from the same initial weights, data order and masks: the port's per-step losses
+    """20 steps (batches of 4, into a second epoch) from the same initial weights, data order
+    and masks: the port's per-step losses
     and its evaluations (step 0 included) equal those of transformers' BertForMaskedLM /
     BertLMHeadModel trained through the same recipe (`--reference hf`), within the policy's
     training-curve tolerance."""
-    extra = ("--objective", objective, "--max-steps", TRAINING_CURVE_STEPS, "--eval-steps", "10")
+    extra = ("--objective", objective, "--max-steps", TRAINING_CURVE_STEPS, "--eval-steps", "10", "--batch-size", "4")
     assert run_pretrain(*lm_args(files, tmp_path / "port", *extra)) == 0
     hf_extra = ("--reference", "hf", "--compare-to", tmp_path / "port")
     assert run_pretrain(*lm_args(files, tmp_path / "hf", *extra, *hf_extra)) == 0
@@ -270,7 +271,7 @@ def test_blocks_equal_run_clm_group_texts(n_texts, block_size, tokenizer, minilm
 
 @pytest.fixture(scope="module")
 def mlm_run(tmp_path_factory, files) -> Path:
-    """An uninterrupted masked-LM run with dropout on: 2 epochs of 9 steps (67 blocks of 32,
+    """An uninterrupted masked-LM run with dropout on: 2 epochs of 6 steps (41 blocks of 32,
     batches of 8), evaluated every 5 steps, TensorBoard on."""
     out = tmp_path_factory.mktemp("mlm") / "full"
     extra = ("--epochs", "2", "--eval-steps", "5", "--report-to", "tensorboard")
@@ -281,7 +282,7 @@ def mlm_run(tmp_path_factory, files) -> Path:
 def test_metrics_hold_loss_and_perplexity_from_step_0(mlm_run):
     m = metrics_of(mlm_run)
     assert m["status"] == "completed" and m["objective"] == "mlm"
-    assert m["global_step"] == 18 and [e["step"] for e in m["evaluations"]] == [0, 5, 10, 15, 18]
+    assert m["global_step"] == 12 and [e["step"] for e in m["evaluations"]] == [0, 5, 10, 12]
     for e in m["evaluations"]:
         assert e["validation"]["perplexity"] == pytest.approx(math.exp(e["validation"]["loss"]))
     assert m["evaluations"][0]["train_loss"] is None
@@ -290,15 +291,15 @@ def test_metrics_hold_loss_and_perplexity_from_step_0(mlm_run):
 
 
 def test_stop_and_resume_ends_bit_identical(tmp_path, files, mlm_run):
-    """Stopped after 12 steps (in epoch 2, whose masks differ from epoch 1's), then resumed:
+    """Stopped after 8 steps (in epoch 2, whose masks differ from epoch 1's), then resumed:
     the same per-step losses, evaluations and weights as the uninterrupted run, bit for bit."""
     extra = ("--epochs", "2", "--eval-steps", "5", "--report-to", "tensorboard")
     args = lm_args(files, tmp_path / "split", *extra, config="tiny_dropout.json")
-    assert run_pretrain(*args, "--stop-after-steps", "12") == 0
+    assert run_pretrain(*args, "--stop-after-steps", "8") == 0
     assert metrics_of(tmp_path / "split")["status"] == "stopped"
     assert run_pretrain(*args, "--resume") == 0
     full, resumed = metrics_of(mlm_run), metrics_of(tmp_path / "split")
-    assert full["config"]["steps_per_epoch"] < 12 < full["global_step"]
+    assert full["config"]["steps_per_epoch"] < 8 < full["global_step"]
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"]]
     assert [e["validation"] for e in resumed["evaluations"]] == [e["validation"] for e in full["evaluations"]]
     weights, reference = load_last(tmp_path / "split")["model"], load_last(mlm_run)["model"]
@@ -323,8 +324,8 @@ def test_masked_lm_checkpoint_fine_tunes_as_a_classifier(tmp_path, mlm_run, mini
 @pytest.mark.slow
 def test_torchrun_two_processes_equal_one(tmp_path, files):
     """The same global batch of 8 blocks: torchrun with 2 gloo processes of 4 (and one process
-    accumulating 2 micro-batches) give one process's losses, evaluations and weights. 67
-    blocks: the last step of each epoch holds 3, and the second process a padding repeat."""
+    accumulating 2 micro-batches) give one process's losses, evaluations and weights. 41
+    blocks: the last step of each epoch holds 1, and the second process a padding repeat."""
     extra = ("--max-steps", "16", "--eval-steps", "8")
     assert run_pretrain(*lm_args(files, tmp_path / "one", *extra)) == 0
     assert run_pretrain(*lm_args(files, tmp_path / "accum", *extra, "--grad-accum-steps", "2")) == 0
@@ -334,7 +335,7 @@ def test_torchrun_two_processes_equal_one(tmp_path, files):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = metrics_of(tmp_path / "one")
-    assert len(one["steps"]) == 16 and one["config"]["sizes"]["train"]["blocks"] == 67
+    assert len(one["steps"]) == 16 and one["config"]["sizes"]["train"]["blocks"] == 41
     for other in ("accum", "ddp"):
         m = metrics_of(tmp_path / other)
         assert m["config"]["world_size"] == (2 if other == "ddp" else 1)

@@ -33,12 +33,14 @@ def settings_parser(prog: str, description: str, settings: type, file_flag: str,
 def add_settings_flags(parser: argparse.ArgumentParser, settings: type) -> None:
     """One flag per field of the settings dataclass `settings` (`training.FinetuneConfig`,
     `PretrainConfig`), with its help, choices and default taken from the field (bool fields
-    get --flag/--no-flag). Flags not given stay unset, so that a settings file's values hold."""
+    get --flag/--no-flag). Flags not given stay unset, so that a settings file's values hold.
+    The command's own options come first in its help, then those every recipe shares."""
     import dataclasses
 
     from bert_port.training.settings import field_kind, flag
 
-    for f in dataclasses.fields(settings):
+    own = set(vars(settings).get("__annotations__", {}))
+    for f in sorted(dataclasses.fields(settings), key=lambda f: f.name not in own):
         kind, _ = field_kind(f)
         text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if kind is bool:

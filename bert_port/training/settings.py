@@ -52,10 +52,10 @@ class TrainingSettings:
     (`FinetuneConfig` below; `PretrainConfig` in `lm_settings`), and the class variables
     name the recipe in messages and its bundled recipes in `configs/`."""
 
-    command: ClassVar[str] = "bert-port-finetune"
-    kind: ClassVar[str] = "fine-tuning"  # "invalid fine-tuning configuration"
-    data_formats: ClassVar[str] = "CSV, TSV or JSONL"
-    recipe_prefix: ClassVar[str] = "finetune_"  # of the bundled recipes in configs/
+    command: ClassVar[str] = "bert-port run"  # in messages: "another bert-port-finetune is writing"
+    kind: ClassVar[str] = "training"  # "invalid fine-tuning configuration"
+    data_formats: ClassVar[str] = "CSV, TSV or JSONL"  # what --train takes
+    recipe_prefix: ClassVar[str] = ""  # of the bundled settings files in configs/
 
     # Model.
     checkpoint: str | None = option(
@@ -184,6 +184,10 @@ class TrainingSettings:
 @dataclass
 class FinetuneConfig(TrainingSettings):
     """The settings of `bert-port-finetune`: the shared options, and the classifier's."""
+
+    command: ClassVar[str] = "bert-port-finetune"
+    kind: ClassVar[str] = "fine-tuning"
+    recipe_prefix: ClassVar[str] = "finetune_"
 
     # The classifier: its model, labels and data.
     reference: str = option(
