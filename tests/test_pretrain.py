@@ -307,7 +307,12 @@ def test_stop_and_resume_ends_bit_identical(tmp_path, files, mlm_run):
 
 
 def test_masked_lm_checkpoint_fine_tunes_as_a_classifier(tmp_path, mlm_run, minilm_path):
-    """The masked LM's saved checkpoint is a start for bert-port-finetune."""
+    """The masked LM's saved checkpoint loads in transformers' BertForMaskedLM with nothing
+    missing or unexpected, and is a start for bert-port-finetune."""
+    import transformers
+
+    _, info = transformers.BertForMaskedLM.from_pretrained(str(mlm_run), output_loading_info=True)
+    assert not any(info.values()), info
     splits = builtin_splits("mr")
     from bert_port.data import write_texts
 
