@@ -76,6 +76,13 @@ def lm_args(files, out, *extra, config="tiny.json") -> list:
     ]
 
 
+@pytest.fixture
+def no_plot(monkeypatch):
+    """Runs whose curves PNG no check reads skip drawing it (matplotlib's layout is a third of
+    such a tiny run's time); `mlm_run` draws its own."""
+    monkeypatch.setattr("bert_port.training.recipe.plot_curves", lambda *args, **kwargs: None)
+
+
 def losses_of(metrics: dict) -> torch.Tensor:
     return torch.tensor([s["loss"] for s in metrics["steps"]], dtype=torch.float64)
 
@@ -103,7 +110,7 @@ def test_recipe_loss_is_transformers_loss(objective, hf_class, tokenizer, maskin
 
 
 @pytest.mark.parametrize("objective", ["mlm", "clm"])
-def test_loss_curve_equals_transformers(objective, tmp_path, files):
+def test_loss_curve_equals_transformers(objective, tmp_path, files, no_plot):
     """20 steps (batches of 4, into a second epoch) from the same initial weights, data order
     and masks: the port's per-step losses
     and its evaluations (step 0 included) equal those of transformers' BertForMaskedLM /
@@ -175,7 +182,7 @@ def test_whole_word_masking_masks_words_whole(mr_blocks, masking, tokenizer):
     from dataclasses import replace
 
     whole = replace(masking, whole_word=True)
-    ids, offsets = mr_blocks.input_ids[:2000], mr_blocks.offsets[:2000]
+    ids, offsets = mr_blocks.input_ids[:800], mr_blocks.offsets[:800]
     inputs, labels = whole(ids, torch.Generator().manual_seed(0), offsets)
     chosen = labels != -100
     assert torch.equal(inputs[chosen], torch.full_like(inputs[chosen], masking.mask_id))
@@ -287,10 +294,10 @@ def test_metrics_hold_loss_and_perplexity_from_step_0(mlm_run):
         assert e["validation"]["perplexity"] == pytest.approx(math.exp(e["validation"]["loss"]))
     assert m["evaluations"][0]["train_loss"] is None
     assert m["best"]["metric"] == "loss" and (mlm_run / "config.json").is_file()
-    assert list((mlm_run / "tensorboard").iterdir())
+    assert list((mlm_run / "tensorboard").iterdir()) and (mlm_run / "training_curves.png").is_file()
 
 
-def test_stop_and_resume_ends_bit_identical(tmp_path, files, mlm_run):
+def test_stop_and_resume_ends_bit_identical(tmp_path, files, mlm_run, no_plot):
     """Stopped after 8 steps (in epoch 2, whose masks differ from epoch 1's), then resumed:
     the same per-step losses, evaluations and weights as the uninterrupted run, bit for bit."""
     extra = ("--epochs", "2", "--eval-steps", "5", "--report-to", "tensorboard")
@@ -327,7 +334,7 @@ def test_masked_lm_checkpoint_fine_tunes_as_a_classifier(tmp_path, mlm_run, mini
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_equal_one(tmp_path, files):
+def test_torchrun_two_processes_equal_one(tmp_path, files, no_plot):
     """The same global batch of 8 blocks: torchrun with 2 gloo processes of 4 (and one process
     accumulating 2 micro-batches) give one process's losses, evaluations and weights. 41
     blocks: the last step of each epoch holds 1, and the second process a padding repeat."""
