@@ -25,6 +25,11 @@ with `DivergedError` before the optimiser takes it (under fp16 the gradient scal
 such a step instead), and no weights are ever saved unless every tensor is finite. Every
 file is written under a temporary name and renamed into place, so a full disk (`ENOSPC`)
 stops the run with a `FinetuneError` and leaves the last checkpoint as it was.
+
+The language-model recipe (`pretrain.PretrainRecipe`) is this class with another task: it
+overrides what is the classifier's (`_read_data`, `_build_model_and_data`, `collate_train`,
+`loss_count`, `loss_options`, `_metrics_on`, `headline`, `task_summary`, `resolved_config`,
+`_write_run_files`) and keeps the rest.
 """
 
 from __future__ import annotations

@@ -95,13 +95,9 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     )
     ax_lr.set_ylabel("learning rate", color="0.4")
     ax_lr.set_ylim(bottom=0)
-    values = [e["validation"][m] for e in metrics["evaluations"] for m in headline]
     ax_loss.set(xlabel="optimiser step", ylabel=loss_name, title="loss")
     ax_metric.set(xlabel="optimiser step", ylabel="validation", title="validation metrics")
-    if max(values, default=0.0) <= 1.0:  # scores in [0, 1] (or below, for correlations)
-        ax_metric.set_ylim(min([0.0, *values]) - 0.05, 1.05)
-    else:  # perplexity: from the vocabulary's size down
-        ax_metric.set_yscale("log")
+    _scale_metric_axis(ax_metric, [e["validation"][m] for e in metrics["evaluations"] for m in headline])
     best = metrics.get("best")
     if best and best.get("metric") in headline:
         ax_metric.plot([best["step"]], [best["value"]], "*", ms=12, color="C2", label=f"best {best['metric']}")
@@ -125,6 +121,13 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
         fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
     return path
+
+
+def _scale_metric_axis(ax, values: list[float]) -> None:
+    if max(values, default=0.0) <= 1.0:  # scores in [0, 1] (or below, for correlations)
+        ax.set_ylim(min([0.0, *values]) - 0.05, 1.05)
+    else:  # perplexity: from the vocabulary's size down
+        ax.set_yscale("log")
 
 
 def _plot_run(ax_loss, ax_metric, run: dict[str, Any], headline: tuple[str, ...], suffix: str, color: str, style: str):
