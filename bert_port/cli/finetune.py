@@ -19,25 +19,20 @@ Settings come from the dataclass defaults, then `--config FILE`, then the flags 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-import time
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per `FinetuneConfig` field, with its help, choices and default taken from
-    the field (bool fields get --flag/--no-flag)."""
-    import dataclasses
+    """`--config FILE`, then one flag per `FinetuneConfig` field (`bert_port.cli.settings_parser`)."""
+    from bert_port.cli import settings_parser
+    from bert_port.training.settings import FinetuneConfig
 
-    from bert_port.training.settings import FinetuneConfig, field_kind, flag
-
-    parser = argparse.ArgumentParser(
-        prog="bert-port-finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
+    parser = settings_parser(
+        "bert-port-finetune",
+        __doc__,
+        FinetuneConfig,
         "--config",
-        help="JSON file of settings (keys as the flags, with underscores), or the name of a bundled recipe "
+        "JSON file of settings (keys as the flags, with underscores), or the name of a bundled recipe "
         "(finetune_mr_minilm, finetune_sms_minilm, ...); flags win",
     )
     parser.add_argument(
@@ -45,68 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --dataset: write its train/validation/test split as CSV (CoNLL for sms_ner) into DIR",
     )
-    for f in dataclasses.fields(FinetuneConfig):
-        kind, _ = field_kind(f)
-        text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if kind is bool:
-            parser.add_argument(
-                flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
-            )
-        else:
-            choices = f.metadata["choices"]
-            parser.add_argument(flag(f.name), type=kind, default=argparse.SUPPRESS, choices=choices, help=text)
     return parser
 
 
 def resolve_config(args: argparse.Namespace):
     """Dataclass defaults < --config file (or bundled recipe) < flags."""
-    import dataclasses
+    from bert_port.cli import settings_from
+    from bert_port.training import FinetuneConfig
 
-    from bert_port.training import FinetuneConfig, load_config_file
-
-    settings = load_config_file(args.config) if args.config else {}
-    settings.update(
-        {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(args, f.name)}
-    )
-    return FinetuneConfig(**settings)
+    return settings_from(args, FinetuneConfig, args.config)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    from bert_port.cli import run_training
 
-    from bert_port.checkpoint import CheckpointError
-    from bert_port.config import ConfigError
-    from bert_port.data import BUILTIN_DATASETS, DataError, export_builtin
-    from bert_port.extras import MissingExtra
-    from bert_port.training import FinetuneError, finetune
+    def run() -> dict | None:
+        from bert_port.data import BUILTIN_DATASETS, export_builtin
+        from bert_port.training import FinetuneError, finetune
 
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    t0 = time.perf_counter()
-    try:
         cfg = resolve_config(args)
-        if args.export_dataset:
-            if not cfg.dataset:
-                raise FinetuneError(f"--export-dataset needs --dataset {'|'.join(BUILTIN_DATASETS)}")
-            for split, path in export_builtin(cfg.dataset, args.export_dataset).items():
-                print(f"{split}: {path}")
-            return 0
-        with logging_redirect_tqdm():
-            metrics = finetune(cfg)
-    except (DataError, FinetuneError, CheckpointError, ConfigError, MissingExtra) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the machine, not the input: a full disk, a vanished mount
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if rank == 0:
-        print(report(metrics, time.perf_counter() - t0))
-    return 0
+        if not args.export_dataset:
+            return finetune(cfg)
+        if not cfg.dataset:
+            raise FinetuneError(f"--export-dataset needs --dataset {'|'.join(BUILTIN_DATASETS)}")
+        for split, path in export_builtin(cfg.dataset, args.export_dataset).items():
+            print(f"{split}: {path}")
+        return None
+
+    return run_training(run, report)
 
 
 def report(metrics: dict, wall_s: float) -> str:
@@ -154,13 +116,9 @@ def report(metrics: dict, wall_s: float) -> str:
             f"{c['max_abs_loss_diff_first_20']:.3e}); other run's test {headline[0]} "
             f"{other_test if other_test is None else f'{other_test:.4f}'}"
         )
-    if metrics["status"] == "stopped":
-        lines.append("  stopped early: continue with the same command plus --resume")
-    lines.append(
-        f"  output: {metrics['output_dir']} (HF checkpoint, metrics.json, training_curves.png, "
-        "training_config.json, last-checkpoint.pt)"
-    )
-    return "\n".join(lines)
+    from bert_port.cli import report_ending
+
+    return "\n".join(lines + report_ending(metrics))
 
 
 def _figures(values: dict, names: tuple[str, ...]) -> str:

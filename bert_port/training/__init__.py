@@ -1,4 +1,5 @@
-"""Fine-tuning a sequence classifier or a token classifier: the recipe behind `bert-port-finetune`.
+"""Training: fine-tuning a sequence or token classifier (`bert-port-finetune`) and, on the same
+machinery, language models (`bert-port-pretrain`).
 
 settings    `FinetuneConfig`: every option once (flags, help, checks, resume rules)
 steps       processes, AdamW, the learning-rate schedules, one optimiser step, Ctrl-C
@@ -14,6 +15,14 @@ recipe      `FinetuneRecipe` (setup, train_epoch, evaluate, save_checkpoint, res
             cleanup) and `finetune(cfg)`, which runs it
 identity    `train_identity`: one layer taught to return its input, pre-LN against post-LN
             (scripts/identity_task.py); not part of the recipe, imported on its own
+
+Language-model training (`bert-port-pretrain`), on the same machinery:
+
+lm_settings `PretrainConfig`: the shared options (`settings.TrainingSettings`) and the LM's
+lm_data    texts read, grouped into blocks as run_clm.py does; `BlockCollator`; the token loss
+masking    MLM masks as transformers' DataCollatorForLanguageModeling, seeded per block
+pretrain   `PretrainRecipe` (a `FinetuneRecipe` with the LM's model, data, loss and
+            evaluation) and `pretrain(cfg)`
 """
 
 from .batching import Collator, chunks, length_sorted
@@ -28,12 +37,22 @@ from .evaluation import (
     predict_tokens,
     regression_metrics,
 )
+from .lm_settings import PretrainConfig
+from .pretrain import PretrainRecipe, pretrain
 from .recipe import FinetuneRecipe, finetune
 from .reference import build_model, load_trained, save_model
 from .reporting import TENSORBOARD_DIR, compare_runs, plot_curves, write_json
 from .resume import LAST_CHECKPOINT, check_resumable, data_identity
 from .run_folder import CURVES_FILE, METRICS_FILE, RESOLVED_CONFIG, check_output_dir, own_output_dir
-from .settings import METRICS, SCHEDULERS, FinetuneConfig, FinetuneError, check_max_length, load_config_file
+from .settings import (
+    METRICS,
+    SCHEDULERS,
+    FinetuneConfig,
+    FinetuneError,
+    TrainingSettings,
+    check_max_length,
+    load_config_file,
+)
 from .splits import Splits, load_splits
 from .steps import (
     SCHEDULES,
@@ -65,8 +84,11 @@ __all__ = [
     "FinetuneConfig",
     "FinetuneError",
     "FinetuneRecipe",
+    "PretrainConfig",
+    "PretrainRecipe",
     "Splits",
     "StopRequest",
+    "TrainingSettings",
     "build_model",
     "build_optimizer",
     "build_scheduler",
@@ -89,6 +111,7 @@ __all__ = [
     "plot_curves",
     "predict",
     "predict_tokens",
+    "pretrain",
     "regression_metrics",
     "save_model",
     "setup_distributed",

@@ -25,6 +25,11 @@ with `DivergedError` before the optimiser takes it (under fp16 the gradient scal
 such a step instead), and no weights are ever saved unless every tensor is finite. Every
 file is written under a temporary name and renamed into place, so a full disk (`ENOSPC`)
 stops the run with a `FinetuneError` and leaves the last checkpoint as it was.
+
+The language-model recipe (`pretrain.PretrainRecipe`) is this class with another task: it
+overrides what is the classifier's (`_read_data`, `_build_model_and_data`, `collate_train`,
+`loss_count`, `loss_options`, `_metrics_on`, `headline`, `task_summary`, `resolved_config`,
+`_write_run_files`) and keeps the rest.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ from .resume import (
     training_state,
 )
 from .run_folder import CURVES_FILE, METRICS_FILE, RESOLVED_CONFIG, check_output_dir, lock_output_dir
-from .settings import FinetuneConfig, FinetuneError, check_max_length
+from .settings import FinetuneConfig, FinetuneError, TrainingSettings, check_max_length
 from .splits import load_splits
 from .steps import (
     DIVERGED_ADVICE,
@@ -101,7 +106,6 @@ class FinetuneRecipe:
 
     def __init__(self, cfg: FinetuneConfig, dist_info: Dist):
         self.cfg, self.d = cfg, dist_info
-        self.problem = ProblemType(cfg.problem_type)
         self.out = Path(cfg.output_dir)
         self.last_path = self.out / LAST_CHECKPOINT
         self.t_start = time.perf_counter()
@@ -109,6 +113,15 @@ class FinetuneRecipe:
         self.status = "running"
         self.tensorboard: TensorBoardLog | None = None
         self.history: dict[str, Any] = new_history(cfg.early_stopping_patience)
+
+    @property
+    def problem(self) -> ProblemType:
+        return ProblemType(self.cfg.problem_type)
+
+    @property
+    def headline(self) -> tuple[str, ...]:
+        """The validation metrics each evaluation's log line shows."""
+        return self.problem.headline
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -118,9 +131,7 @@ class FinetuneRecipe:
         cfg, d = self.cfg, self.d
         check_output_dir(cfg, self.out)
         self._check_extras_and_device()
-        model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
-        check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
-        self.splits = load_splits(cfg)
+        self._read_data()
         lock_output_dir(cfg, self.out, d, stack)
         self.data = data_identity(cfg)  # after reading: the files the run reads are the files it records
         self.micro = cfg.batch_size // (cfg.grad_accum_steps * d.world_size)
@@ -134,11 +145,21 @@ class FinetuneRecipe:
         if cfg.resume:
             self.resume()
         if d.is_main:
-            write_run_files(self)
+            self._write_run_files()
             if cfg.report_to == "tensorboard":
                 # A resumed run drops what the interrupted one logged after its checkpoint.
                 purge = self.global_step + 1 if cfg.resume else None
                 self.tensorboard = TensorBoardLog(self.out / TENSORBOARD_DIR, purge_step=purge)
+
+    def _read_data(self) -> None:
+        """The checks that need the model's config, then the data read in full (`self.splits`)."""
+        cfg = self.cfg
+        model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
+        check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
+        self.splits = load_splits(cfg)
+
+    def _write_run_files(self) -> None:
+        write_run_files(self)
 
     def _check_extras_and_device(self) -> None:
         if self.cfg.report_to == "tensorboard":
@@ -186,6 +207,10 @@ class FinetuneRecipe:
     def resolved_config(self) -> dict[str, Any]:
         """The settings as run: the options, and what they came to on this data and machine."""
         return resolved_config(self)
+
+    def task_summary(self) -> dict[str, Any]:
+        """What metrics.json says of the task, beside the run: the problem type and labels."""
+        return {"problem_type": self.cfg.problem_type, "labels": self.splits.names}
 
     def metrics(self, status: str) -> dict[str, Any]:
         """The document written to metrics.json."""
@@ -257,13 +282,14 @@ class FinetuneRecipe:
         """Optimiser step k of `epoch` over the micro-batches `group` of this process."""
         cfg, d = self.cfg, self.d
         t0 = time.perf_counter()
-        n_real = min(cfg.batch_size, self.n_train - k * cfg.batch_size)
+        n_examples = min(cfg.batch_size, self.n_train - k * cfg.batch_size)
         batches, weights = [], []
         for j, indices in enumerate(group):
             # Positions in this process's list; global position = rank + local * world size.
             local = torch.arange(len(indices)) + (k * cfg.grad_accum_steps + j) * self.micro
             weights.append(((d.rank + local * d.world_size) < self.n_train).float().to(d.device))
-            batches.append({key: v.to(d.device) for key, v in self.train_collate(indices).items()})
+            batches.append({key: v.to(d.device) for key, v in self.collate_train(epoch, indices).items()})
+        n_real = self.loss_count(batches, weights, n_examples)
         lr = self.optimizer.param_groups[0]["lr"]
         where = f"step {self.global_step + 1} (epoch {epoch + 1}, lr {lr:.3g})"
         try:
@@ -274,7 +300,7 @@ class FinetuneRecipe:
                 batches,
                 weights,
                 n_real,
-                problem_type=cfg.problem_type,
+                **self.loss_options(),
                 world_size=d.world_size,
                 max_grad_norm=cfg.max_grad_norm,
                 bf16=cfg.bf16,
@@ -289,12 +315,24 @@ class FinetuneRecipe:
             raise DivergedError(f"the training loss at {where} is {loss}; nothing was saved from it; {DIVERGED_ADVICE}")
         self.global_step += 1
         self.history["train_time_s"] += time.perf_counter() - t0
-        self.history["examples"] += n_real
+        self.history["examples"] += n_examples
         record = {"step": self.global_step, "epoch": epoch + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
         self.history["steps"].append(record)
         if self.tensorboard is not None:
             self.tensorboard.step(record)
         return record
+
+    def collate_train(self, epoch: int, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The training batch of the examples `indices` (in `epoch`: the same in every epoch here)."""
+        return self.train_collate(indices)
+
+    def loss_count(self, batches: list[dict[str, torch.Tensor]], weights: list[torch.Tensor], n_examples: int) -> float:
+        """What a step's summed loss is divided by: here its number of real examples."""
+        return n_examples
+
+    def loss_options(self) -> dict[str, Any]:
+        """How `steps.train_step` scores each example: here by the problem type's loss."""
+        return {"problem_type": self.cfg.problem_type}
 
     def evaluation_due(self) -> bool:
         every = self.cfg.eval_steps or self.steps_per_epoch
@@ -362,7 +400,7 @@ class FinetuneRecipe:
         history["evaluations"].append(record)
         better = self._update_best(result, record)
         if d.is_main:
-            headline = ", ".join(f"{m} {result[m]:.4f}" for m in self.problem.headline)
+            headline = ", ".join(f"{m} {result[m]:.4f}" for m in self.headline)
             log.info(
                 "step %d: validation loss %.4f, %s%s",
                 step,
@@ -432,9 +470,15 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     metrics written to `metrics.json`; `status` is "completed" (early stopping included) or
     "stopped" (interrupted or `stop_after_steps`; continue with `resume=True`). A full disk
     is a `FinetuneError`: every write is staged, so the last checkpoint is intact."""
+    return run_recipe(FinetuneRecipe, cfg)
+
+
+def run_recipe(recipe_class: type[FinetuneRecipe], cfg: TrainingSettings) -> dict[str, Any]:
+    """Check `cfg`, then set up and train `recipe_class(cfg)` in this process of the job;
+    a full disk is a `FinetuneError`, since every write is staged and the last checkpoint intact."""
     cfg.validate()
     require_reference(cfg.reference)
-    recipe = FinetuneRecipe(cfg, setup_distributed(cfg.device))
+    recipe = recipe_class(cfg, setup_distributed(cfg.device))
     try:
         with contextlib.ExitStack() as stack:
             recipe.setup(stack)

@@ -88,7 +88,7 @@ def load_trained(
 
 def save_model(model: nn.Module, output_dir: Path, source_dir: Path) -> None:
     """HF-format checkpoint of `model` with the tokenizer files beside it."""
-    if isinstance(model, BertPreTrainedModel):
+    if isinstance(model, BertPreTrainedModel):  # the port's: it copies the tokenizer files itself
         model.source_dir = source_dir
         model.save_pretrained(output_dir)
         return

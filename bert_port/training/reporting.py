@@ -76,7 +76,9 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     import matplotlib.pyplot as plt
 
     problem = ProblemType(metrics.get("config", {}).get("problem_type") or ProblemType.SINGLE_LABEL)
-    headline = problem.headline
+    # A language model's run names its own (perplexity; the token cross-entropy).
+    headline = tuple(metrics.get("headline") or problem.headline)
+    loss_name = metrics.get("loss_name") or problem.loss_name
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     # The other run is drawn dashed on top, so identical curves show as one line with dashes.
     runs = [(metrics, "", "C0", "-")] + ([(other, f" ({other.get('name', 'other')})", "C3", "--")] if other else [])
@@ -93,9 +95,9 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
     )
     ax_lr.set_ylabel("learning rate", color="0.4")
     ax_lr.set_ylim(bottom=0)
-    low = min([0.0] + [e["validation"][m] for e in metrics["evaluations"] for m in headline])
-    ax_loss.set(xlabel="optimiser step", ylabel=problem.loss_name, title="loss")
-    ax_metric.set(xlabel="optimiser step", ylabel="validation", title="validation metrics", ylim=(low - 0.05, 1.05))
+    ax_loss.set(xlabel="optimiser step", ylabel=loss_name, title="loss")
+    ax_metric.set(xlabel="optimiser step", ylabel="validation", title="validation metrics")
+    _scale_metric_axis(ax_metric, [e["validation"][m] for e in metrics["evaluations"] for m in headline])
     best = metrics.get("best")
     if best and best.get("metric") in headline:
         ax_metric.plot([best["step"]], [best["value"]], "*", ms=12, color="C2", label=f"best {best['metric']}")
@@ -119,6 +121,13 @@ def plot_curves(metrics: dict[str, Any], path: Path, other: dict[str, Any] | Non
         fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
     return path
+
+
+def _scale_metric_axis(ax, values: list[float]) -> None:
+    if max(values, default=0.0) <= 1.0:  # scores in [0, 1] (or below, for correlations)
+        ax.set_ylim(min([0.0, *values]) - 0.05, 1.05)
+    else:  # perplexity: from the vocabulary's size down
+        ax.set_yscale("log")
 
 
 def _plot_run(ax_loss, ax_metric, run: dict[str, Any], headline: tuple[str, ...], suffix: str, color: str, style: str):
@@ -231,9 +240,8 @@ def metrics_document(run: FinetuneRecipe, status: str) -> dict[str, Any]:
         "name": f"{type(model).__module__.split('.')[0]} {type(model).__name__} on {run.cfg.dataset or run.cfg.train}",
         "output_dir": str(run.out),
         "status": status,
-        "problem_type": run.cfg.problem_type,
-        "labels": run.splits.names,
-        "config": resolved_config(run),
+        **run.task_summary(),
+        "config": run.resolved_config(),
         "global_step": run.global_step,
         "epochs_completed": round(run.global_step / run.steps_per_epoch, 4),
         "train_time_s": round(train_time, 2),

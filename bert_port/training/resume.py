@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import checkpoint as ckpt
-from .settings import FinetuneConfig, FinetuneError, resume_mismatches
+from .settings import FinetuneError, TrainingSettings, resume_mismatches
 
 if TYPE_CHECKING:
     from .recipe import FinetuneRecipe
@@ -54,7 +54,7 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def data_identity(cfg: FinetuneConfig) -> dict[str, dict[str, Any]]:
+def data_identity(cfg: TrainingSettings) -> dict[str, dict[str, Any]]:
     """{setting: {"path", "size", "sha256"}} for each data file in `DATA_SETTINGS` that the
     run reads (a bundled dataset has none: it is fixed by the package)."""
     identity = {}
@@ -143,7 +143,7 @@ def load_state(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def check_resumable(state: Any, cfg: FinetuneConfig, names: list[str], path: Path) -> None:
+def check_resumable(state: Any, cfg: TrainingSettings, names: list[str], path: Path) -> None:
     """Refuse a state this version cannot continue, or one whose labels, settings or data
     files differ from this run's."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -165,7 +165,7 @@ def check_resumable(state: Any, cfg: FinetuneConfig, names: list[str], path: Pat
     _check_data(state.get("data"), cfg, path)
 
 
-def _check_data(saved: dict[str, Any] | None, cfg: FinetuneConfig, path: Path) -> None:
+def _check_data(saved: dict[str, Any] | None, cfg: TrainingSettings, path: Path) -> None:
     if saved is None:  # written before the data was recorded: nothing to compare with
         log.warning("%s does not record its data files; resuming without checking that they are unchanged", path)
         return

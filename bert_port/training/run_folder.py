@@ -1,4 +1,4 @@
-"""The output folder of a fine-tuning run: its file names, the checks before a run starts
+"""The output folder of a training run (fine-tuning or language model): its file names, the checks before a run starts
 there, and the lock that keeps a second run out.
 
 A run holds an `flock` on its run-lock file (`.bert_port-run.lock` in the folder) for the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import checkpoint as ckpt
 from .resume import LAST_CHECKPOINT
-from .settings import FinetuneConfig, FinetuneError
+from .settings import FinetuneError, TrainingSettings
 from .steps import Dist
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ RUN_LOCK = ".bert_port-run.lock"
 
 
 @contextlib.contextmanager
-def _run_lock(out: Path) -> Iterator[None]:
+def _run_lock(out: Path, command: str) -> Iterator[None]:
     """Hold `out`'s run lock, or raise `FinetuneError` when another run holds it."""
     try:
         import fcntl
@@ -46,8 +46,7 @@ def _run_lock(out: Path) -> Iterator[None]:
     except BlockingIOError:
         os.close(fd)
         raise FinetuneError(
-            f"another bert-port-finetune is writing into {out} right now; wait for it to end or "
-            "choose another --output-dir"
+            f"another {command} is writing into {out} right now; wait for it to end or choose another --output-dir"
         ) from None
     try:
         yield
@@ -55,7 +54,7 @@ def _run_lock(out: Path) -> Iterator[None]:
         os.close(fd)  # drops the flock
 
 
-def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
+def check_output_dir(cfg: TrainingSettings, out: Path) -> None:
     """Refuse, before any work, an output folder this run cannot use: a file, a `--resume`
     without a state to resume, a finished run that neither `--resume` nor `--overwrite`
     names, and a `--compare-to` that is no folder."""
@@ -70,7 +69,7 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
         )
     if not cfg.resume and not cfg.overwrite and (last_path.is_file() or (out / METRICS_FILE).is_file()):
         raise FinetuneError(
-            f"{out} already holds a fine-tuning run; pass --resume to continue it, --overwrite to "
+            f"{out} already holds a {cfg.kind} run; pass --resume to continue it, --overwrite to "
             "start it again, or choose another --output-dir"
         )
     if cfg.compare_to is not None and not Path(cfg.compare_to).is_dir():
@@ -78,7 +77,7 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def own_output_dir(out: Path) -> Iterator[Path]:
+def own_output_dir(out: Path, command: str = "bert-port-finetune") -> Iterator[Path]:
     """Create `out`, lock it for this run (a second run into it is refused), and tidy what
     a killed run left behind (`kill -9` cannot clean up after itself)."""
     try:
@@ -91,7 +90,7 @@ def own_output_dir(out: Path) -> Iterator[Path]:
     os.close(fd)
     if not os.access(out, os.W_OK):
         raise FinetuneError(f"--output-dir {out} is not writable; choose a directory you can write to")
-    with _run_lock(out):
+    with _run_lock(out, command):
         # `checkpoint.StagedWrite` and `data.write_records` stage files as hidden temporaries.
         removed = size = 0
         for folder in (out, out / DATA_DIR):
@@ -105,14 +104,14 @@ def own_output_dir(out: Path) -> Iterator[Path]:
         yield out
 
 
-def lock_output_dir(cfg: FinetuneConfig, out: Path, d: Dist, stack: contextlib.ExitStack) -> None:
+def lock_output_dir(cfg: TrainingSettings, out: Path, d: Dist, stack: contextlib.ExitStack) -> None:
     """Rank 0 takes the folder for the rest of the run (`stack` releases it); every process
     learns its answer, so none waits in a collective after a refusal. `--overwrite` then
     removes the previous run's state and metrics."""
     refusal = None
     if d.is_main:
         try:
-            stack.enter_context(own_output_dir(out))
+            stack.enter_context(own_output_dir(out, cfg.command))
         except FinetuneError as exc:
             refusal = str(exc)
     refusal = d.gather(refusal)[0]

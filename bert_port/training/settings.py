@@ -1,10 +1,12 @@
-"""The settings of a fine-tuning run: one dataclass, each option written once.
+"""The settings of a training run: one dataclass per recipe, each option written once.
 
 Each field carries its help text, its choices, its range and whether a resumed run must
 share it (`option(...)`). From that one declaration come the command-line flags and their
 help (`bert_port.cli.finetune`), the checks on a config file or the flags
 (`FinetuneConfig.validate`), and the settings a `--resume` refuses to change
 (`resume_mismatches`). Names follow transformers' `TrainingArguments` where it has one.
+`TrainingSettings` holds the options every recipe shares; `FinetuneConfig` adds the
+classifier's, `lm_settings.PretrainConfig` the language model's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..assets import config_dir, config_path
 from ..data import BUILTIN_DATASETS
@@ -49,58 +51,27 @@ def option(default: Any, help: str, *, choices: tuple | None = None, resume: boo
 
 
 @dataclass
-class FinetuneConfig:
+class TrainingSettings:
+    """The options every training recipe shares: the starting checkpoint, held-out data,
+    optimisation, evaluation, checkpoints and logs. A recipe's settings add their own
+    (`FinetuneConfig` below; `PretrainConfig` in `lm_settings`), and the class variables
+    name the recipe in messages and its bundled recipes in `configs/`."""
+
+    command: ClassVar[str] = "bert-port run"  # in messages: "another bert-port-finetune is writing"
+    kind: ClassVar[str] = "training"  # "invalid fine-tuning configuration"
+    data_formats: ClassVar[str] = "CSV, TSV or JSONL"  # what --train takes
+    recipe_prefix: ClassVar[str] = ""  # of the bundled settings files in configs/
+
     # Model.
     checkpoint: str | None = option(
         None, "checkpoint directory or model id in the local HF cache (default: bundled all-MiniLM-L6-v2)", resume=True
     )
-    reference: str = option(
-        "port",
-        "'port': bert_port's model; 'hf': transformers' BertForSequenceClassification, same loop and initial weights",
-        choices=("port", "hf"),
-        resume=True,
-    )
     attn_implementation: str = option("sdpa", "attention implementation", choices=("sdpa", "eager"))
-    classifier_dropout: float | None = option(
-        None,
-        "dropout before the classifier head (default: the config's, else hidden dropout)",
-        resume=True,
-        lo=0.0,
-        hi=1.0,
-        want="in [0, 1)",
-    )
-    problem_type: str = option(
-        ProblemType.SINGLE_LABEL.value,
-        ", ".join(f"{p.value} ({p.help})" for p in ProblemType),
-        choices=ProblemType.choices(),
-        resume=True,
-    )
     # Data.
-    dataset: str | None = option(
-        None,
-        "bundled data instead of files: mr (movie-review sentiment), mr_scores (the same sentences with their "
-        "mean human rating in [-4, 4], for regression), sms (SMS spam), sms_ner (the SMS messages with "
-        "entities tagged by rules, for token_classification)",
-        choices=BUILTIN_DATASETS,
-        resume=True,
-    )
-    train: str | None = option(
-        None, "training data: .csv, .tsv or .jsonl; for token_classification .conll (word, tag) or .jsonl", resume=True
-    )
     validation: str | None = option(
         None, "validation data (default: hold out --validation-split of --train)", resume=True
     )
-    test: str | None = option(None, "test data, evaluated once with the best checkpoint")
     text_column: str = option("text", "column holding the text", resume=True)
-    text_pair_column: str | None = option(
-        None, "column holding a second text segment, for sentence-pair tasks", resume=True
-    )
-    label_column: str = option(
-        "label",
-        "column holding the label: a class (string or integer); a number for regression; for multi-label, "
-        "the labels separated by '|' (CSV/TSV) or a JSON list (JSONL)",
-        resume=True,
-    )
     validation_split: float = option(
         0.1,
         "fraction of --train held out (seeded) when no --validation file",
@@ -111,7 +82,6 @@ class FinetuneConfig:
         want="strictly between 0 and 1",
     )
     max_train_examples: int | None = option(None, "use only the first N training examples", resume=True, least=1)
-    max_length: int = option(128, "tokens per example; longer ones are truncated", resume=True, least=1)
     # Optimisation.
     epochs: int = option(3, "passes over the training data", resume=True, least=1)
     max_steps: int | None = option(
@@ -152,12 +122,13 @@ class FinetuneConfig:
         lo=0.0,
         want="a finite number >= 0 (0 turns clipping off)",
     )
-    seed: int = option(42, "seed for the head's initialisation, data order and dropout", resume=True, least=0)
+    seed: int = option(
+        42, "seed for new weights' initialisation, data order, dropout (and MLM masks)", resume=True, least=0
+    )
     bf16: bool = option(False, "bf16 autocast for the forward passes (weights and optimiser stay fp32)")
     fp16: bool = option(
         False, "fp16 autocast with a gradient scaler, on CUDA only (on the CPU use --bf16); weights stay fp32"
     )
-    freeze_encoder: bool = option(False, "train only the classifier head; the encoder stays as loaded", resume=True)
     # Evaluation, checkpoints, logs.
     eval_steps: int | None = option(
         None,
@@ -166,21 +137,10 @@ class FinetuneConfig:
         least=1,
     )
     early_stopping_patience: int | None = option(
-        None, "stop after K evaluations in a row without improving --metric-for-best", resume=True, least=1
-    )
-    metric_for_best: str | None = option(
-        None,
-        "validation metric choosing the saved checkpoint: "
-        + "; ".join(f"{', '.join(p.metrics[:-1])} ({p.short}; default {p.metrics[0]})" for p in ProblemType)
-        + "; or loss",
-        choices=tuple(dict.fromkeys(m for ms in METRICS.values() for m in ms)),
-        resume=True,
+        None, "stop after K evaluations in a row without a better validation metric", resume=True, least=1
     )
     report_to: str = option(
         "none", "also log the curves for TensorBoard (in OUTPUT_DIR/tensorboard)", choices=REPORT_TO
-    )
-    output_dir: str = option(
-        "runs/finetune", "where the best checkpoint (HF format), metrics.json, curves and resume state go"
     )
     overwrite: bool = option(False, "start afresh in an output dir that already holds a run (ignored with --resume)")
     resume: bool = option(False, "continue from last-checkpoint.pt in --output-dir (same settings)")
@@ -196,18 +156,107 @@ class FinetuneConfig:
     @property
     def metric(self) -> str:
         """The validation metric that picks the best checkpoint (and drives early stopping)."""
-        return self.metric_for_best or METRICS.get(self.problem_type, ("loss",))[0]
+        return "loss"
 
     def validate(self) -> None:
         """Refuse settings that mean nothing before any work is done (a config file can hold
         any JSON type, so types are checked too). Every problem is listed at once."""
+        problems = self.problems()
+        if problems:
+            raise FinetuneError(f"invalid {self.kind} configuration:\n  - " + "\n  - ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings; a recipe's settings add their own checks."""
         problems = [p for f in dataclasses.fields(self) if (p := _check_field(f, getattr(self, f.name)))]
-        if self.dataset is not None and self.train is not None:
+        data = (getattr(self, "dataset", None), getattr(self, "train", None))
+        if data[0] is not None and data[1] is not None:
             problems.append("give either a bundled dataset (--dataset) or a training file (--train), not both")
-        if self.dataset is None and self.train is None:
+        if data == (None, None):
+            choices = next(f for f in dataclasses.fields(self) if f.name == "dataset").metadata["choices"]
             problems.append(
-                f"no training data: pass --train FILE (CSV, TSV or JSONL) or --dataset {'|'.join(BUILTIN_DATASETS)}"
+                f"no training data: pass --train FILE ({self.data_formats}) or --dataset {'|'.join(choices)}"
             )
+        if self.bf16 is True and self.fp16 is True:
+            problems.append("--bf16 and --fp16 exclude each other; choose one")
+        if isinstance(self.device, str):
+            try:
+                resolve_device(self.device, what="--device")
+            except ValueError as exc:
+                problems.append(str(exc))
+        return problems
+
+
+@dataclass
+class FinetuneConfig(TrainingSettings):
+    """The settings of `bert-port-finetune`: the shared options, and the classifier's."""
+
+    command: ClassVar[str] = "bert-port-finetune"
+    kind: ClassVar[str] = "fine-tuning"
+    recipe_prefix: ClassVar[str] = "finetune_"
+
+    # The classifier: its model, labels and data.
+    reference: str = option(
+        "port",
+        "'port': bert_port's model; 'hf': transformers' BertForSequenceClassification, same loop and initial weights",
+        choices=("port", "hf"),
+        resume=True,
+    )
+    classifier_dropout: float | None = option(
+        None,
+        "dropout before the classifier head (default: the config's, else hidden dropout)",
+        resume=True,
+        lo=0.0,
+        hi=1.0,
+        want="in [0, 1)",
+    )
+    problem_type: str = option(
+        ProblemType.SINGLE_LABEL.value,
+        ", ".join(f"{p.value} ({p.help})" for p in ProblemType),
+        choices=ProblemType.choices(),
+        resume=True,
+    )
+    dataset: str | None = option(
+        None,
+        "bundled data instead of files: mr (movie-review sentiment), mr_scores (the same sentences with their "
+        "mean human rating in [-4, 4], for regression), sms (SMS spam), sms_ner (the SMS messages with "
+        "entities tagged by rules, for token_classification)",
+        choices=BUILTIN_DATASETS,
+        resume=True,
+    )
+    train: str | None = option(
+        None, "training data: .csv, .tsv or .jsonl; for token_classification .conll (word, tag) or .jsonl", resume=True
+    )
+    test: str | None = option(None, "test data, evaluated once with the best checkpoint")
+    text_pair_column: str | None = option(
+        None, "column holding a second text segment, for sentence-pair tasks", resume=True
+    )
+    label_column: str = option(
+        "label",
+        "column holding the label: a class (string or integer); a number for regression; for multi-label, "
+        "the labels separated by '|' (CSV/TSV) or a JSON list (JSONL)",
+        resume=True,
+    )
+    max_length: int = option(128, "tokens per example; longer ones are truncated", resume=True, least=1)
+    freeze_encoder: bool = option(False, "train only the classifier head; the encoder stays as loaded", resume=True)
+    metric_for_best: str | None = option(
+        None,
+        "validation metric choosing the saved checkpoint: "
+        + "; ".join(f"{', '.join(p.metrics[:-1])} ({p.short}; default {p.metrics[0]})" for p in ProblemType)
+        + "; or loss",
+        choices=tuple(dict.fromkeys(m for ms in METRICS.values() for m in ms)),
+        resume=True,
+    )
+    output_dir: str = option(
+        "runs/finetune", "where the best checkpoint (HF format), metrics.json, curves and resume state go"
+    )
+
+    @property
+    def metric(self) -> str:
+        """The validation metric that picks the best checkpoint (and drives early stopping)."""
+        return self.metric_for_best or METRICS.get(self.problem_type, ("loss",))[0]
+
+    def problems(self) -> list[str]:
+        problems = super().problems()
         wanted = DATASET_PROBLEM.get(self.dataset) if isinstance(self.dataset, str) else None
         if wanted is not None and self.problem_type != wanted:
             problems.append(f"--dataset {self.dataset} holds {wanted.help.split(',')[0]}: use --problem-type {wanted}")
@@ -217,25 +266,17 @@ class FinetuneConfig:
                 f"--metric-for-best {self.metric_for_best!r} does not apply to {self.problem_type}; "
                 f"choose one of {', '.join(allowed)}"
             )
-        if self.bf16 is True and self.fp16 is True:
-            problems.append("--bf16 and --fp16 exclude each other; choose one")
         columns = [c for c in (self.text_column, self.text_pair_column, self.label_column) if c is not None]
         if len(set(map(str, columns))) < len(columns):
             problems.append(
                 f"--text-column, --text-pair-column and --label-column must name different columns, got {columns}"
             )
-        if isinstance(self.device, str):
-            try:
-                resolve_device(self.device, what="--device")
-            except ValueError as exc:
-                problems.append(str(exc))
         if _is_int(self.max_length) and self.max_length >= 1:
             try:
                 check_max_length(self.max_length, None, pairs=self.text_pair_column is not None)
             except FinetuneError as exc:
                 problems.append(str(exc))
-        if problems:
-            raise FinetuneError("invalid fine-tuning configuration:\n  - " + "\n  - ".join(problems))
+        return problems
 
 
 def flag(name: str) -> str:
@@ -281,7 +322,7 @@ def _check_field(f: dataclasses.Field, value: Any) -> str | None:
     return None if ok else f"{flag(f.name)} must be {want}, got {value!r}"
 
 
-def resume_mismatches(saved: dict[str, Any], cfg: FinetuneConfig) -> list[str]:
+def resume_mismatches(saved: dict[str, Any], cfg: TrainingSettings) -> list[str]:
     """The settings a resumed run changed among those it must keep."""
     return [
         f"{f.name}: checkpoint {saved.get(f.name)!r}, now {getattr(cfg, f.name)!r}"
@@ -321,14 +362,15 @@ def bundled_config(name: str) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def bundled_recipes() -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in config_dir().iterdir() if p.name.startswith("finetune_"))
+def bundled_recipes(prefix: str = "finetune_") -> list[str]:
+    return sorted(p.name.removesuffix(".json") for p in config_dir().iterdir() if p.name.startswith(prefix))
 
 
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a fine-tuning configuration: a JSON file, or the name of a recipe bundled in
-    `configs/` (`finetune_mr_minilm`), which a wheel ships too.
-    Keys are `FinetuneConfig` fields; unknown keys are an error (a typo would do nothing)."""
+def load_config_file(path: str | os.PathLike, settings: type[TrainingSettings] | None = None) -> dict[str, Any]:
+    """Read a run's settings: a JSON file, or the name of a recipe bundled in `configs/`
+    (`finetune_mr_minilm`), which a wheel ships too. Keys are fields of `settings`
+    (default `FinetuneConfig`); unknown keys are an error (a typo would do nothing)."""
+    settings = settings or FinetuneConfig
     path = Path(path)
     if not path.exists() and path.parent == Path(".") and bundled_config(path.name) is not None:
         path = bundled_config(path.name)
@@ -337,7 +379,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         raise FinetuneError(
             f"no configuration file at {path}, and no bundled recipe of that name (bundled: "
-            f"{', '.join(bundled_recipes())})"
+            f"{', '.join(bundled_recipes(settings.recipe_prefix))})"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FinetuneError(f"{path} is not valid JSON ({exc})") from None
@@ -345,7 +387,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise FinetuneError(f"cannot read the configuration file {path} ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise FinetuneError(f"{path} must hold a JSON object of settings")
-    known = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    known = {f.name for f in dataclasses.fields(settings)}
     data = {k.replace("-", "_"): v for k, v in data.items() if not k.startswith("_")}  # "_comment" keys allowed
     unknown = sorted(set(data) - known)
     if unknown:

@@ -23,6 +23,7 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..devices import resolve_device
 from ..problem import ProblemType, per_example_loss
-from .settings import FinetuneConfig, FinetuneError
+from .settings import FinetuneError, TrainingSettings
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -182,13 +183,17 @@ def set_seed(seed: int) -> None:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: weight decay on weight matrices and embeddings; none on biases and
     LayerNorm parameters (as BERT was trained and HF's Trainer does). Frozen parameters
-    are left out. Each group carries the parameter names under "names"."""
+    are left out, and a tied parameter (an MLM decoder's weight is the word embedding) is
+    listed once, under its first name, as `model.named_parameters()` gives it to the Trainer:
+    twice, AdamW would take its step twice. Each group carries the names under "names"."""
     decay: dict[str, nn.Parameter] = {}
     no_decay: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
+            if not param.requires_grad or id(param) in seen:
                 continue
+            seen.add(id(param))
             full = f"{module_name}.{name}" if module_name else name
             (no_decay if isinstance(module, nn.LayerNorm) or name == "bias" else decay)[full] = param
     return [
@@ -197,7 +202,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: FinetuneConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainingSettings) -> torch.optim.AdamW:
     groups = param_groups(model, cfg.weight_decay)
     params = [p for g in groups for p in g["params"]]
     # The fused kernel: one pass over each tensor instead of a dozen (a large gain on the CPU,
@@ -274,6 +279,7 @@ def train_step(
     n_real: int,
     *,
     problem_type: str = ProblemType.SINGLE_LABEL,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     world_size: int = 1,
     max_grad_norm: float = 1.0,
     bf16: bool = False,
@@ -281,11 +287,14 @@ def train_step(
 ) -> tuple[Tensor, float | None]:
     """One optimiser step over the micro-batches this process holds. `weights` (one (b,)
     tensor per micro-batch) are 1 for real examples, 0 for sampler padding; `n_real` is the
-    number of real examples in the *global* step. Each example's loss is divided by
+    number of real examples in the *global* step (of their target tokens, for a language
+    model's `loss_fn`). Each example's loss is divided by
     `n_real` (times `world_size`, since DDP averages gradients over processes), so the
     gradient is the mean over the global batch however it is split. With `scaler` (fp16),
     the loss is scaled, and a step whose gradient overflowed is skipped (and the scale
     lowered) rather than called diverged, as fp16 training expects now and then.
+    `loss_fn(logits, labels)` (fp32 logits) gives each example's loss, (b,), in place of
+    `problem_type`'s: a language model's sums over its tokens (`lm_data.token_losses`).
 
     Returns this process's summed loss of real examples (a 0-d tensor) and the gradient
     norm before clipping (None when clipping is off)."""
@@ -302,7 +311,10 @@ def train_step(
                     attention_mask=batch["attention_mask"],
                     token_type_ids=batch["token_type_ids"],
                 ).logits
-            losses = per_example_loss(logits.float(), batch["labels"], problem_type)  # (b,)
+            if loss_fn is None:
+                losses = per_example_loss(logits.float(), batch["labels"], problem_type)  # (b,)
+            else:
+                losses = loss_fn(logits.float(), batch["labels"])
             loss = (losses * weight).sum() * (world_size / n_real)
             (scaler.scale(loss) if fp16 else loss).backward()
         loss_sum += (losses.detach() * weight).sum().double()
