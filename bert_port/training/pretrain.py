@@ -149,6 +149,9 @@ class PretrainRecipe(FinetuneRecipe):
     def headline(self) -> tuple[str, ...]:
         return ("perplexity",)
 
+    def _check_task_extras(self) -> None:
+        """Loss and perplexity need no package beyond the core."""
+
     def _read_data(self) -> None:
         cfg = self.cfg
         self.model_config, self.tokenizer_dir = model_source(cfg)

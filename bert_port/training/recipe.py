@@ -164,13 +164,17 @@ class FinetuneRecipe:
     def _check_extras_and_device(self) -> None:
         if self.cfg.report_to == "tensorboard":
             require("tensorboard")  # before any work: a clear error naming the package
-        if self.problem is ProblemType.TOKEN_CLASSIFICATION:
-            require("seqeval", "the entity-level metrics of token classification")
+        self._check_task_extras()
         if self.cfg.fp16 and self.d.device.type != "cuda":
             raise FinetuneError(
                 f"--fp16 needs a CUDA device (its gradient scaler is for GPUs), and this run is on {self.d.device}; "
                 "on the CPU use --bf16, or drop --fp16"
             )
+
+    def _check_task_extras(self) -> None:
+        """The packages this task's metrics need, before any work: seqeval for token classification."""
+        if self.problem is ProblemType.TOKEN_CLASSIFICATION:
+            require("seqeval", "the entity-level metrics of token classification")
 
     def _build_model_and_data(self) -> None:
         cfg, d, splits = self.cfg, self.d, self.splits
