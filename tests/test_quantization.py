@@ -54,7 +54,7 @@ def int8(minilm_path) -> SentenceEncoder:
 
 @pytest.fixture(scope="module")
 def reference(float32, texts) -> torch.Tensor:
-    return float32.encode(texts, batch_size=64)
+    return float32.encode(texts, batch_size=64, convert_to_tensor=True)
 
 
 def neighbours_kept(expected: torch.Tensor, actual: torch.Tensor) -> float:
@@ -84,7 +84,7 @@ def check_accuracy(expected: torch.Tensor, actual: torch.Tensor) -> None:
 
 @pytest.mark.slow
 def test_int8_sentence_embeddings_meet_the_bar(int8, reference, texts):
-    check_accuracy(reference, int8.encode(texts, batch_size=64))
+    check_accuracy(reference, int8.encode(texts, batch_size=64, convert_to_tensor=True))
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_planted_per_batch_activation_scale_fails(minilm_path, reference, texts,
     monkeypatch.setattr(Int8Linear, "_steps", lambda self, rows: own(self, rows).amax().expand(rows.shape[0], 1))
     planted = SentenceEncoder.from_pretrained(minilm_path, quantization="int8")
     with pytest.raises(AssertionError):
-        check_accuracy(reference, planted.encode(texts, batch_size=64))
+        check_accuracy(reference, planted.encode(texts, batch_size=64, convert_to_tensor=True))
 
 
 @pytest.mark.slow
@@ -144,7 +144,7 @@ def test_planted_dropped_bias_fails(minilm_path, reference, texts):
     planted = SentenceEncoder.from_pretrained(minilm_path, quantization="int8")
     planted.model.bert_layers[3].attention_dense.bias.zero_()
     with pytest.raises(AssertionError):
-        check_accuracy(reference, planted.encode(texts, batch_size=64))
+        check_accuracy(reference, planted.encode(texts, batch_size=64, convert_to_tensor=True))
 
 
 @pytest.mark.slow
@@ -233,7 +233,7 @@ def test_embed_flag_writes_int8_embeddings(tmp_path, minilm_path, int8, referenc
     assert embed.main([*argv, str(tmp_path / "in.txt"), str(tmp_path / "out")]) == 0
     _, written = read_embeddings(tmp_path / "out")
     written = torch.as_tensor(written)
-    assert torch.equal(written, int8.encode(texts[:40], batch_size=7))  # int8 is batch-invariant too
+    assert torch.equal(written, int8.encode(texts[:40], batch_size=7, convert_to_tensor=True))  # int8 is batch-invariant too
     assert json.loads((tmp_path / "out" / "index.json").read_text())["run"]["quantization"] == "int8"
     assert F.cosine_similarity(written, reference[:40], dim=1).min() >= INT8_ACCURACY.embedding_cosine_min
 
