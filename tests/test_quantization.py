@@ -233,7 +233,9 @@ def test_embed_flag_writes_int8_embeddings(tmp_path, minilm_path, int8, referenc
     assert embed.main([*argv, str(tmp_path / "in.txt"), str(tmp_path / "out")]) == 0
     _, written = read_embeddings(tmp_path / "out")
     written = torch.as_tensor(written)
-    assert torch.equal(written, int8.encode(texts[:40], batch_size=7, convert_to_tensor=True))  # int8 is batch-invariant too
+    assert torch.equal(
+        written, int8.encode(texts[:40], batch_size=7, convert_to_tensor=True)
+    )  # int8 is batch-invariant too
     assert json.loads((tmp_path / "out" / "index.json").read_text())["run"]["quantization"] == "int8"
     assert F.cosine_similarity(written, reference[:40], dim=1).min() >= INT8_ACCURACY.embedding_cosine_min
 
