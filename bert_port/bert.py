@@ -28,6 +28,7 @@ from .attention import packed_attention, sdpa_attention, varlen_attention, varle
 from .base_bert import BertPreTrainedModel
 from .cache import KVCache, LayerCache
 from .config import BertConfig
+from .gemm import RowStableLinear, fused_row_stable_linear
 from .outputs import ModelOutput
 from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
 from .utils import additive_mask, get_activation, get_extended_attention_mask
@@ -149,7 +150,12 @@ class BertSelfAttention(nn.Module):
         dropout_p = self.dropout.p if self.training else 0.0
         if packing is not None:
             # Real tokens only: query, key and value in one matmul on N rows instead of three on B*T.
-            qkv = F.linear(hidden_states, *self.fused_qkv()) if self.qkv is None else self.qkv(hidden_states)  # (N, 3H)
+            if self.qkv is not None:  # int8 (quantization.py)
+                qkv = self.qkv(hidden_states)
+            elif self.config.batch_invariant:  # every row's bits independent of the batch (gemm.py)
+                qkv = fused_row_stable_linear(hidden_states, (self.query, self.key, self.value), self)
+            else:
+                qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
             if implementation == "varlen" and varlen_supported(qkv, dropout_p):
                 return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
             # Otherwise attention on each sequence's real tokens (attention.py says why).
@@ -201,15 +207,15 @@ class BertLayer(nn.Module):
         self.pre_attention_layer_norm = _layer_norm(config) if pre_norm else None
         self.self_attention = BertSelfAttention(config)
         # Add-norm after attention.
-        self.attention_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attention_dense = RowStableLinear(config.hidden_size, config.hidden_size, config)
         self.attention_layer_norm = None if pre_norm else _layer_norm(config)
         self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
         # Feed forward.
         self.pre_ffn_layer_norm = _layer_norm(config) if pre_norm else None
-        self.interm_dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.interm_dense = RowStableLinear(config.hidden_size, config.intermediate_size, config)
         self.interm_af = get_activation(config.hidden_act)
         # Add-norm after feed forward.
-        self.out_dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.out_dense = RowStableLinear(config.intermediate_size, config.hidden_size, config)
         self.out_layer_norm = None if pre_norm else _layer_norm(config)
         self.out_dropout = nn.Dropout(config.hidden_dropout_prob)
 

@@ -71,7 +71,7 @@ def test_half_precision(dtype, attn, causal):
 def test_fp16_all_pad_row_never_nan(attn):
     """Scores of -20 everywhere: finfo(fp16).min - 20 rounds to -inf, so transformers' eager
     path turns the all-pad row into NaN. Ours gives that row the uniform attention that fp32
-    gives and leaves every other row exactly as transformers computes it."""
+    gives and leaves every other row exactly as transformers computes it without that row."""
     hf, ours = hf_pair(TINY, attn)
     for model, prefix in ((hf, "encoder.layer.0.attention.self."), (ours, "bert_layers.0.self_attention.")):
         with torch.no_grad():
@@ -86,9 +86,12 @@ def test_fp16_all_pad_row_never_nan(attn):
         hf.half()
         ours.half()
         expected, actual = hf_call(hf, **batch).last_hidden_state, ours(**batch).last_hidden_state
+        # transformers on the other rows alone: on a CPU with AVX512-FP16 (Xeon, Sapphire
+        # Rapids and later) its NaN row leaks into row 0 of the same batch, which ours does not.
+        others = torch.tensor([True, False, True])
+        expected_others = hf_call(hf, **{k: v[others] for k, v in batch.items()}).last_hidden_state
     assert torch.isfinite(actual).all()
-    others = torch.tensor([True, False, True])
-    assert torch.equal(actual[others], expected[others])
+    assert torch.equal(actual[others], expected_others)
     if attn == "eager":
         # Outside the policy's table: the fully masked fp16 row against our own fp32 row, so fp16's
         # rounding of values of order 1 (about 1e-3 each, summed over the layers) sets the bar.

@@ -1,0 +1,141 @@
+"""The dense layers of the packed path in inference: oneDNN GEMMs whose result for a row does
+not depend on how many rows the batch has.
+
+Batch invariance (`packing.py`) needs a GEMM that gives a row the same bits for every row
+count M. torch's own CPU kernels do not on every CPU. Measured on a 2-core Xeon with
+AVX-512 and AMX (README, "Same text, same bits"):
+
+- fp32 `F.linear` runs MKL, which at 2 threads splits the reduction for some M and not for
+  others: (M, 1536) x (1536, 384) gives other bits for M in 57..192 than for M = 1024, and
+  bert-base's (3072 -> 768) for M in 16..384. oneDNN's inner product on a prepacked weight
+  gives the same bits for every M >= 2, at 1 and 2 threads, and runs at least as fast.
+- bf16 goes to oneDNN either way, whose AMX kernels pick the reduction's blocking by M when
+  K is large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). So bf16 GEMMs run
+  in blocks of exactly `BF16_ROW_BLOCK` rows, the last one padded with zero rows: every call
+  has one shape, hence one kernel, whatever the batch (a row's place in the block does not
+  change its bits). That costs bf16 about a fifth of its speed on MR batches;
+  `batch_invariant=False` gives it back (README, "Speed").
+
+The prepacked weight is cached on the module, keyed on the weight's storage, version
+counter, dtype and the thread count, and dropped when a gradient is accumulated into the
+weight: fused optimisers update weights in place without bumping the version counter.
+`clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it). Training, autograd, other dtypes, other devices and a
+torch without oneDNN take `F.linear`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# oneDNN (through torch's ideep) keeps a compiled kernel per GEMM shape, up to 1024 of them
+# (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
+# command's memory by 200 MiB over 20,000 texts. Row counts in steps of FP32_ROW_STEP (and
+# bf16's one block shape) keep those kernels few; zero rows cost at most a step a call.
+FP32_ROW_STEP = 64
+BF16_ROW_BLOCK = 128  # of 32, 64, 128 and 256, the fastest on MR batches (about 900 rows)
+_CACHE = "_row_stable_weight"
+PACK_ROWS_HINT = 1024  # the batch size oneDNN is told to expect when it lays the weight out
+
+
+def row_stable(x: Tensor, weight: Tensor) -> bool:
+    """Whether `row_stable_linear` takes oneDNN for x (N, K): CPU inference in fp32 or bf16."""
+    return (
+        x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.compiler.is_compiling()
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.Module) -> Tensor:
+    """`F.linear(x, weight, bias)` for packed rows x (N, K), with bits per row independent of
+    N where `row_stable` holds; the packed copy of `weight` is cached on `owner`."""
+    if not row_stable(x, weight):
+        return F.linear(x, weight, bias)
+    packed = _cached(owner, (weight,), lambda: _pack(weight))
+    return _onednn_linear(x, packed, bias)
+
+
+def fused_row_stable_linear(x: Tensor, linears: tuple[nn.Linear, ...], owner: nn.Module) -> Tensor:
+    """`linears` stacked into one GEMM (the fused QKV) on packed rows x (N, K), as
+    `row_stable_linear`; the stacked, packed weight and the stacked bias are cached on `owner`
+    (built once, not concatenated on every call)."""
+    weight = linears[0].weight
+    if not row_stable(x, weight):
+        return F.linear(x, torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears]))
+    sources = tuple(t for m in linears for t in (m.weight, m.bias))
+    packed, bias = _cached(
+        owner,
+        sources,
+        lambda: (_pack(torch.cat([m.weight for m in linears])), torch.cat([m.bias for m in linears]).detach()),
+    )
+    return _onednn_linear(x, packed, bias)
+
+
+def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """fp32: one call on the rows made up to a multiple of `FP32_ROW_STEP`; bf16: calls of
+    `BF16_ROW_BLOCK` rows each. Zero rows pad the last block; they are dropped."""
+    n = x.shape[0]
+    step = BF16_ROW_BLOCK if x.dtype == torch.bfloat16 else FP32_ROW_STEP
+    rows = -(-n // step) * step
+    if rows != n:
+        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
+    blocks = x.split(BF16_ROW_BLOCK) if x.dtype == torch.bfloat16 else (x,)
+    out = [torch.ops.mkldnn._linear_pointwise(b, packed, bias, "none", [], "") for b in blocks]
+    return (out[0] if len(out) == 1 else torch.cat(out))[:n]
+
+
+def _pack(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build):
+    """`build()`, kept on `owner` until a tensor of `sources` changes: its storage or version
+    counter, or a gradient accumulated into it (the step that follows may be a fused
+    optimiser's, which leaves the version counter alone); or the dtype or thread count."""
+    key = (tuple((t.data_ptr(), t._version) for t in sources), sources[0].dtype, torch.get_num_threads())
+    cached = owner.__dict__.get(_CACHE)
+    if cached is None or cached[0] != key:
+        _drop(owner)
+        ref = weakref.ref(owner)
+        hooks = [
+            t.register_post_accumulate_grad_hook(lambda _, ref=ref: _drop(ref()))
+            for t in sources
+            if t.requires_grad and t.is_leaf
+        ]
+        cached = owner.__dict__[_CACHE] = (key, build(), hooks)
+    return cached[1]
+
+
+def _drop(owner: nn.Module | None) -> None:
+    cached = owner.__dict__.pop(_CACHE, None) if owner is not None else None
+    for hook in cached[2] if cached else ():
+        hook.remove()
+
+
+def clear_packed_weights(model: nn.Module) -> None:
+    """Drop the prepacked weights cached on every module of `model`."""
+    for module in model.modules():
+        _drop(module)
+
+
+class RowStableLinear(nn.Linear):
+    """`nn.Linear` whose 2-D inputs (the packed rows of `BertModel.encode`) go through
+    `row_stable_linear` while `config.batch_invariant` holds; the padded path's 3-D inputs,
+    and every input of a model with `batch_invariant=False`, run `F.linear`."""
+
+    def __init__(self, in_features: int, out_features: int, config) -> None:
+        super().__init__(in_features, out_features)
+        self.__dict__["config"] = config  # shared with the model, read at each call; not a submodule
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2 or not self.config.batch_invariant:
+            return F.linear(x, self.weight, self.bias)
+        return row_stable_linear(x, self.weight, self.bias, self)

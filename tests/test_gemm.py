@@ -1,0 +1,96 @@
+"""The packed path's GEMMs (`bert_port/gemm.py`): a row's bits do not depend on the row count,
+on the shapes of MiniLM's and bert-base's layers, and the cached packed weight follows the
+weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bert_port import BertConfig
+from bert_port.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
+
+# (in, out) of the packed path's layers: MiniLM's QKV, FFN up and down; bert-base's FFN down.
+SHAPES = [(384, 1152), (384, 1536), (1536, 384), (3072, 768)]
+ROW_COUNTS = [16, 17, 33, 57, 64, 100, 129, 192, 385, 433, 700]
+
+
+def _rows_differing(linear, x: torch.Tensor) -> list[int]:
+    """Row counts M for which the first 16 rows of linear(x[:M]) differ from those at M = 1024."""
+    with torch.inference_mode():
+        reference = linear(x[:1024])[:16]
+        return [m for m in ROW_COUNTS if not torch.equal(linear(x[:m])[:16], reference)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_row_gets_the_same_bits_for_every_row_count(shape, dtype, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        layer = RowStableLinear(*shape, BertConfig(batch_invariant=True)).to(dtype)
+        x = torch.randn(1024, shape[0]).to(dtype)
+        assert _rows_differing(layer, x) == []
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_row_count_check_catches_a_gemm_that_is_not_row_stable():
+    """The check above fails for a GEMM whose rows depend on M: each row scaled by 1 + M * 2^-20."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 32), torch.randn(1024, 32)
+    assert _rows_differing(lambda t: F.linear(t, weight) * (1 + t.shape[0] * 2.0**-20), x) == ROW_COUNTS
+
+
+def test_the_packed_weight_follows_the_weight():
+    """Edits in place (version counter), a new tensor, a dtype change and a gradient step each
+    reach the cached packed weight."""
+    torch.manual_seed(0)
+    layer = RowStableLinear(32, 48, BertConfig(batch_invariant=True))
+    x = torch.randn(20, 32)
+
+    def check():
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+    check()
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(48, 32))
+    check()
+    layer.to(torch.bfloat16)
+    x = x.bfloat16()
+    check()
+    layer.float()
+    x = x.float()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5, fused=True)
+    check()
+    layer(x).square().sum().backward()
+    optimizer.step()  # in place, version counters unchanged: the gradient hook drops the cache
+    check()
+
+
+def test_fused_qkv_equals_three_linears():
+    torch.manual_seed(0)
+    linears = tuple(torch.nn.Linear(32, 32) for _ in range(3))
+    owner = torch.nn.Module()
+    x = torch.randn(40, 32)
+    with torch.inference_mode():
+        fused = fused_row_stable_linear(x, linears, owner)
+        torch.testing.assert_close(fused, torch.cat([m(x) for m in linears], dim=1))
+        assert torch.equal(fused, fused_row_stable_linear(x, linears, owner))  # from the cache
+    with torch.no_grad():
+        linears[1].bias.add_(1.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused_row_stable_linear(x, linears, owner), torch.cat([m(x) for m in linears], 1))
+
+
+def test_training_takes_the_autograd_path():
+    layer = RowStableLinear(8, 4, BertConfig(batch_invariant=True))
+    x = torch.randn(5, 8, requires_grad=True)
+    row_stable_linear(x, layer.weight, layer.bias, layer).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
