@@ -67,8 +67,12 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
     long_flash = qkv.dtype == torch.float32 and not (torch.is_grad_enabled() and qkv.requires_grad)
 
+    # torch 2.13's CPU flash kernel in bf16/fp16 fails under ATEN_CPU_CAPABILITY=default on a CPU
+    # with AMX ("pack_vnni2 is only supported when avx512 is supported"): the math path there.
+    half_flash = half and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # float64 too: the math path
-        flash = half or (long_flash and q.shape[1] >= FP32_FLASH_MIN_LEN)
+        flash = half_flash or (long_flash and q.shape[1] >= FP32_FLASH_MIN_LEN)
         return (_flash_attention if flash else _math_attention)(q, k, v, scale, dropout_p)
 
     N, three_h = qkv.shape

@@ -25,6 +25,7 @@ torch without oneDNN take `F.linear`.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -42,7 +43,8 @@ PACK_ROWS_HINT = 1024  # the batch size oneDNN is told to expect when it lays th
 
 
 def row_stable(x: Tensor, weight: Tensor) -> bool:
-    """Whether `row_stable_linear` takes oneDNN for x (N, K): CPU inference in fp32 or bf16."""
+    """Whether `row_stable_linear` takes oneDNN for x (N, K): CPU inference in fp32, or in
+    bf16 where oneDNN has native bf16 kernels."""
     return (
         x.dim() == 2
         and x.device.type == "cpu"
@@ -51,7 +53,15 @@ def row_stable(x: Tensor, weight: Tensor) -> bool:
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.compiler.is_compiling()
         and torch.backends.mkldnn.is_available()
+        and (x.dtype == torch.float32 or _native_bf16())
     )
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels here (AVX512-BF16 or AMX, not capped by
+    ONEDNN_MAX_CPU_ISA); without them bf16 takes `F.linear`, whose emulation is row-stable."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.Module) -> Tensor:

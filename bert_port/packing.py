@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gemm import row_stable_linear
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -94,14 +96,19 @@ def with_filler(x: Tensor, packing: Packing, rows: int = MIN_GEMM_ROWS) -> tuple
 
 def linear_rows(layer: torch.nn.Linear, x: Tensor, floor: bool = True) -> Tensor:
     """`layer(x)` for x (..., K), with the rows of the GEMM made up to `MIN_GEMM_ROWS` by zero
-    rows, so that a row's result does not depend on how many others there are. Without
+    rows and run by `gemm.row_stable_linear`, so that a row's result does not depend on how
+    many others there are. Without
     `floor` (the exact path, which runs transformers' GEMMs on transformers' shapes), and
     while tracing (the row count may be symbolic), it is `layer(x)`."""
     rows = x.reshape(-1, x.shape[-1])
-    if not floor or torch.compiler.is_compiling() or rows.shape[0] >= MIN_GEMM_ROWS:
+    if not floor or torch.compiler.is_compiling():
         return layer(x)
-    padded = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - rows.shape[0], rows.shape[1])])
-    return layer(padded)[: rows.shape[0]].reshape(*x.shape[:-1], -1)
+    n = rows.shape[0]
+    if n < MIN_GEMM_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - n, rows.shape[1])])
+    plain = type(layer) is torch.nn.Linear  # not an int8 layer (quantization.py)
+    out = row_stable_linear(rows, layer.weight, layer.bias, layer) if plain else layer(rows)
+    return out[:n].reshape(*x.shape[:-1], -1)
 
 
 def unpad(x: Tensor, packing: Packing) -> Tensor:
