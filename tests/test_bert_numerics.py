@@ -330,7 +330,16 @@ def test_real_half_precision(real, dtype):
     with torch.no_grad():
         for attn, (ref, ours) in models.items():
             ref_h, ours_h = copy.deepcopy(ref).to(dtype), copy.deepcopy(ours).to(dtype)
-            outs[attn] = (ref_h(**batch).last_hidden_state, ours_h(**batch).last_hidden_state)
+            try:
+                expected = ref_h(**batch).last_hidden_state
+            except RuntimeError as exc:  # the reference cannot run: nothing to compare with
+                if "pack_vnni2" not in str(exc):
+                    raise
+                pytest.skip(
+                    "torch 2.13's CPU flash kernel fails in fp16 under ATEN_CPU_CAPABILITY=default on a CPU "
+                    f"with AMX, transformers' SDPA included ({exc}); the native run covers this test"
+                )
+            outs[attn] = (expected, ours_h(**batch).last_hidden_state)
     real_tokens = batch["attention_mask"].bool()
     tol = max(max_diff(outs["eager"][0][real_tokens], outs["sdpa"][0][real_tokens]), torch.finfo(dtype).eps)
     for attn, (expected, actual) in outs.items():
