@@ -106,13 +106,28 @@ def _pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
+class _Cache:
+    """What `_cached` keeps on a module. Copies and pickles of the module start empty: the
+    packed weight is an opaque oneDNN tensor, which neither `copy.deepcopy` nor `pickle` take."""
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None  # (key, value, gradient hooks)
+
+    def __deepcopy__(self, memo) -> _Cache:
+        return _Cache()
+
+    def __reduce__(self):
+        return _Cache, ()
+
+
 def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build):
     """`build()`, kept on `owner` until a tensor of `sources` changes: its storage or version
     counter, or a gradient accumulated into it (the step that follows may be a fused
     optimiser's, which leaves the version counter alone); or the dtype or thread count."""
-    key = (tuple((t.data_ptr(), t._version) for t in sources), sources[0].dtype, torch.get_num_threads())
-    cached = owner.__dict__.get(_CACHE)
-    if cached is None or cached[0] != key:
+    versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)  # inference: none
+    key = (versions, sources[0].dtype, torch.get_num_threads())
+    cache = owner.__dict__.setdefault(_CACHE, _Cache())
+    if cache.entry is None or cache.entry[0] != key:
         _drop(owner)
         ref = weakref.ref(owner)
         hooks = [
@@ -120,14 +135,16 @@ def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build):
             for t in sources
             if t.requires_grad and t.is_leaf
         ]
-        cached = owner.__dict__[_CACHE] = (key, build(), hooks)
-    return cached[1]
+        cache.entry = (key, build(), hooks)
+    return cache.entry[1]
 
 
 def _drop(owner: nn.Module | None) -> None:
-    cached = owner.__dict__.pop(_CACHE, None) if owner is not None else None
-    for hook in cached[2] if cached else ():
-        hook.remove()
+    cache = owner.__dict__.get(_CACHE) if owner is not None else None
+    if cache is not None and cache.entry is not None:
+        for hook in cache.entry[2]:
+            hook.remove()
+        cache.entry = None
 
 
 def clear_packed_weights(model: nn.Module) -> None:

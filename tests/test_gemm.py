@@ -74,6 +74,20 @@ def test_the_packed_weight_follows_the_weight():
     check()
 
 
+def test_a_model_that_ran_copies_and_pickles():
+    """The cached packed weight is an opaque oneDNN tensor: copies and pickles leave it out."""
+    import copy
+    import pickle
+
+    layer = RowStableLinear(16, 8, BertConfig(batch_invariant=True))
+    x = torch.randn(20, 16)
+    with torch.inference_mode():
+        expected = layer(x)
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        with torch.inference_mode():
+            assert torch.equal(twin(x), expected)
+
+
 def test_fused_qkv_equals_three_linears():
     torch.manual_seed(0)
     linears = tuple(torch.nn.Linear(32, 32) for _ in range(3))
