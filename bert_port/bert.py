@@ -28,7 +28,7 @@ from .attention import packed_attention, sdpa_attention, varlen_attention, varle
 from .base_bert import BertPreTrainedModel
 from .cache import KVCache, LayerCache
 from .config import BertConfig
-from .gemm import RowStableLinear, fused_row_stable_linear
+from .gemm import RowStableLinear, fused_row_stable_linear, stack_linears
 from .outputs import ModelOutput
 from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
 from .utils import additive_mask, get_activation, get_extended_attention_mask
@@ -125,9 +125,7 @@ class BertSelfAttention(nn.Module):
         (fused optimisers such as `AdamW(fused=True)` update parameters in place without
         bumping the version counters a cache would be keyed on).
         """
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        return weight, bias
+        return stack_linears((self.query, self.key, self.value))
 
     def forward(
         self,

@@ -73,19 +73,24 @@ def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.
     return _onednn_linear(x, packed, bias)
 
 
+def stack_linears(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor]:
+    """The weights (sum of outs, in) and biases of `linears`, stacked in that order: one GEMM
+    for all of them (the fused QKV)."""
+    return torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears])
+
+
 def fused_row_stable_linear(x: Tensor, linears: tuple[nn.Linear, ...], owner: nn.Module) -> Tensor:
-    """`linears` stacked into one GEMM (the fused QKV) on packed rows x (N, K), as
+    """`linears` stacked into one GEMM (`stack_linears`) on packed rows x (N, K), as
     `row_stable_linear`; the stacked, packed weight and the stacked bias are cached on `owner`
     (built once, not concatenated on every call)."""
-    weight = linears[0].weight
-    if not row_stable(x, weight):
-        return F.linear(x, torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears]))
-    sources = tuple(t for m in linears for t in (m.weight, m.bias))
-    packed, bias = _cached(
-        owner,
-        sources,
-        lambda: (_pack(torch.cat([m.weight for m in linears])), torch.cat([m.bias for m in linears]).detach()),
-    )
+    if not row_stable(x, linears[0].weight):
+        return F.linear(x, *stack_linears(linears))
+
+    def build() -> tuple[Tensor, Tensor]:
+        weight, bias = stack_linears(linears)
+        return _pack(weight), bias.detach()
+
+    packed, bias = _cached(owner, tuple(t for m in linears for t in (m.weight, m.bias)), build)
     return _onednn_linear(x, packed, bias)
 
 

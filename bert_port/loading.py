@@ -95,13 +95,11 @@ def from_pretrained(
         tensors have, as transformers does. `torch_dtype` is transformers' older name for it.
     device: where the weights go (default CPU). `device_map` (transformers' name) may give
         it instead, as one device ("cuda:0", 0, {"": "cuda:0"}, "auto").
-    check_finite: "error" (default, raises `CheckpointError`), "warn" (`RuntimeWarning`)
-        or "ignore" for NaN/Inf weights.
+    check_finite: for NaN/Inf weights, "error" (default: `CheckpointError`), "warn" or "ignore".
     revision: the cache ref or commit hash to use for a model id.
     cache_dir: the HF cache to look a model id up in, instead of the one the environment
         names (HF_HUB_CACHE, HF_HOME, ...), as in transformers.
-    local_files_only: accepted for transformers' calls and ignored: the port never uses
-        the network, so every load is local.
+    local_files_only: accepted for transformers' calls and ignored (every load is local).
     output_loading_info: also return `model.loading_info` (what was renamed, dropped,
         skipped or newly initialised), as transformers' flag of the same name does.
     quantization: "int8" makes the encoder's dense layers int8 for inference on the CPU
@@ -121,12 +119,7 @@ def from_pretrained(
     device = resolve_device_map(device, device_map)  # before any file is read
     if resolve_quantization(quantization, dtype, device):
         dtype = torch.float32  # int8 quantizes the float32 weights, whatever the checkpoint holds
-    # The folder first, its files only under its lock: config and weights of one save, however saves race.
-    with ckpt.read_snapshot(ckpt.checkpoint_folder(path, revision, cache_dir)):
-        files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
-        init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in init_kwarg_names(cls)}
-        config = resolve_config(cls, files, config, kwargs)
-        weights = read_checkpoint(files, config)
+    files, config, weights, init_kwargs = _read_snapshot(cls, path, config_file, revision, cache_dir, config, kwargs)
     model = build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=dtype, device=device, check_finite=check_finite
     )
@@ -135,6 +128,17 @@ def from_pretrained(
 
         quantize_for_loading(model)
     return (model, model.loading_info) if output_loading_info else model
+
+
+def _read_snapshot(cls, path, config_file, revision, cache_dir, config, kwargs):
+    """The checkpoint's files, config, weights and constructor arguments (popped from
+    `kwargs`). The folder is found first and its files are read only under its lock: config
+    and weights of one save, however saves race."""
+    with ckpt.read_snapshot(ckpt.checkpoint_folder(path, revision, cache_dir)):
+        files = ckpt.locate_checkpoint(path, config_file, revision, cache_dir)
+        init_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in init_kwarg_names(cls)}
+        config = resolve_config(cls, files, config, kwargs)
+        return files, config, read_checkpoint(files, config), init_kwargs
 
 
 def read_checkpoint(files: ckpt.CheckpointFiles, config: BertConfig) -> ckpt.Weights:

@@ -132,7 +132,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     from bert_port.checkpoint import locate_checkpoint
     from bert_port.classifier import BertForSequenceClassification
     from bert_port.config import BertConfig, ConfigError
-    from bert_port.data import DataError, file_format, load_texts
+    from bert_port.data import DataError, load_texts
     from bert_port.devices import resolve_device
     from bert_port.problem import ProblemType, config_label_names
     from bert_port.tokenization import load_tokenizer
@@ -143,14 +143,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     except ValueError as exc:
         raise FinetuneError(str(exc)) from None
     _check_quantization(args, device)
-    file_format(args.output)
-    out = Path(args.output)
-    if out.is_dir():
-        raise FinetuneError(f"--output {out} is a directory; give a file name ending .csv, .tsv or .jsonl")
-    if out.exists() and out.resolve() == Path(args.input).resolve():
-        raise FinetuneError(
-            f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
-        )
+    out = _checked_output(args)
     if _tagger(args):
         return _prepare_tagging(args, device, out)
     trained = _trained_settings(Path(args.model))
@@ -189,6 +182,22 @@ def _prepare(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+def _checked_output(args: argparse.Namespace) -> Path:
+    """--output as a path: a file of a known format, not a folder, not the --input file."""
+    from bert_port.data import file_format
+    from bert_port.training import FinetuneError
+
+    file_format(args.output)
+    out = Path(args.output)
+    if out.is_dir():
+        raise FinetuneError(f"--output {out} is a directory; give a file name ending .csv, .tsv or .jsonl")
+    if out.exists() and out.resolve() == Path(args.input).resolve():
+        raise FinetuneError(
+            f"--output {out} is the --input file; writing it would destroy the input. Choose another --output"
+        )
+    return out
 
 
 def _check_quantization(args: argparse.Namespace, device) -> None:
