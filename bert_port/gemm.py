@@ -21,6 +21,12 @@ counter, dtype and the thread count, and dropped when a gradient is accumulated 
 weight: fused optimisers update weights in place without bumping the version counter.
 `clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it). Training, autograd, other dtypes, other devices and a
 torch without oneDNN take `F.linear`.
+
+One more source of other bits is not a GEMM: MKL's vector math (VML), behind torch.tanh and
+torch.erf on CPU float tensors (the pooler's tanh, the python GELUs). A process's first call
+split over 2 threads raced MKL's lazy set-up on this Xeon and gave the second thread's half
+other bits in half the `bert-port-predict` runs at batch 64; `settle_vector_math` makes that
+first call on one thread, at import.
 """
 
 from __future__ import annotations
@@ -40,6 +46,18 @@ FP32_ROW_STEP = 64
 BF16_ROW_BLOCK = 128  # of 32, 64, 128 and 256, the fastest on MR batches (about 900 rows)
 _CACHE = "_row_stable_weight"
 PACK_ROWS_HINT = 1024  # the batch size oneDNN is told to expect when it lays the weight out
+
+
+def settle_vector_math() -> None:
+    """Call each VML function the model can reach once, on one thread (8 elements are far
+    below torch's parallel grain), so that no later call is a process's first. Microseconds."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((8,), 0.5, dtype=dtype)
+        for op in (torch.tanh, torch.erf, torch.exp, torch.log):
+            op(x)
+
+
+settle_vector_math()
 
 
 def row_stable(x: Tensor, weight: Tensor) -> bool:
