@@ -4,7 +4,8 @@ parity of every speed row beside it.
 
 Sections (`bert_port/bench/`): import time, matmul roofline, real text (all-MiniLM-L6-v2 on
 MR batches: fp32 with the peers, bf16 where the CPU has native bf16), int8 (the port's against
-CTranslate2's and ONNX Runtime's, at 1 and 2 threads, with accuracy columns), fixed length
+CTranslate2's and ONNX Runtime's, at 1 and 2 threads, with accuracy columns), busy neighbour
+(the kept share of each system's throughput with one CPU held by a shell loop), fixed length
 (bert-base shape), checkpoint load time and peak RSS, the fine-tuning step; with
 `--generate`, text generation with and without the KV cache; with `--profile`, where the
 time goes. `--markdown PATH` writes the printed tables to a file.
@@ -23,7 +24,7 @@ import torch
 
 from bert_port.extras import MissingExtra
 
-SECTIONS = ("import", "roofline", "real", "int8", "fixed", "load", "finetune")
+SECTIONS = ("import", "roofline", "real", "int8", "busy", "fixed", "load", "finetune")
 PEERS = ("ctranslate2", "onnxruntime", "sentence-transformers")
 QUICK_PEERS = ("ctranslate2", "sentence-transformers")
 
@@ -161,13 +162,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sections(args, device, bf16, report) -> dict[str, Any]:
-    from bert_port.bench import finetune, import_time, int8, load, throughput
+    from bert_port.bench import busy, finetune, import_time, int8, load, throughput
 
     return {
         "import": lambda: import_time.section_import(1 if args.quick else 3, report),
         "roofline": lambda: throughput.section_roofline(device, args.quick, bf16, report),
         "real": lambda: throughput.section_real_text(args, device, bf16, report),
         "int8": lambda: int8.section_int8(args, device, report),
+        "busy": lambda: busy.section_busy(args, device, bf16, report),
         "fixed": lambda: throughput.section_fixed(args, device, bf16, report),
         "load": lambda: load.section_load(args.quick, args.load_reps, report),
         "finetune": lambda: finetune.section_finetune(args, device, report),
