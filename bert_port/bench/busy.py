@@ -20,11 +20,30 @@ from typing import Any
 
 import torch
 
+from ..threads import ThreadGovernor, child_pids
 from .harness import REFERENCE, Row, interleave, mr_batches, ratio
 from .peers import peer_rows
 from .throughput import model_forward
 
 PORT, PORT_BF16, HF_BF16 = "port, fp32", "port, bf16 weights", "transformers, bf16 weights"
+AUTO = ", --threads auto"
+# Between two timed calls: CTranslate2's OpenMP threads spin for up to 200 ms after a call
+# (KMP_BLOCKTIME), on the one free core too, and would slow whichever row came next.
+PAUSE_S = 0.25
+
+
+def governed(forward, governor: ThreadGovernor):
+    """`forward` at the thread count `governor` picks (`--threads auto`), the process's count
+    put back afterwards for the rows timed beside it."""
+
+    def run(batch):
+        governor.step()
+        try:
+            return forward(batch)
+        finally:
+            torch.set_num_threads(governor.saved)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -54,9 +73,13 @@ def section_busy(args, device: torch.device, bf16: bool, report) -> dict[str, An
     threads = torch.get_num_threads()
     batches = mr_batches(load_tokenizer(path), 2 if args.quick else args.batches, args.batch_size, args.seed, device)
     ref = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
-    rows = {REFERENCE: Row(model_forward(ref)), PORT: Row(model_forward(BertModel.from_pretrained(path)))}
+    port = model_forward(BertModel.from_pretrained(path))
+    governor = ThreadGovernor()  # one for both dtypes: one process, one thread pool
+    rows = {REFERENCE: Row(model_forward(ref)), PORT: Row(port), PORT + AUTO: Row(governed(port, governor))}
     if bf16:
-        rows[PORT_BF16] = Row(model_forward(BertModel.from_pretrained(path, dtype=torch.bfloat16)))
+        port_bf16 = model_forward(BertModel.from_pretrained(path, dtype=torch.bfloat16))
+        rows[PORT_BF16] = Row(port_bf16)
+        rows[PORT_BF16 + AUTO] = Row(governed(port_bf16, governor))
         hf_bf16 = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa", dtype=torch.bfloat16)
         rows[HF_BF16] = Row(model_forward(hf_bf16.eval()))
     with contextlib.ExitStack() as stack:
@@ -65,10 +88,11 @@ def section_busy(args, device: torch.device, bf16: bool, report) -> dict[str, An
             ["ctranslate2"] if "ctranslate2" in args.peers else [], path, ref, Path(tmp), device, threads, report, stack
         )
         rows.update({name: row for name, row in peers.items() if "fp32" in name})
+        governor.exclude = child_pids()  # the peers' processes, timed in turn with the port: not neighbours
         timed = {name: row.timed or row.forward for name, row in rows.items()}
-        quiet = interleave(timed, batches, args.reps, device, "busy neighbour: quiet", seed=args.seed)
+        quiet = interleave(timed, batches, args.reps, device, "busy neighbour: quiet", seed=args.seed, pause=PAUSE_S)
         with busy_cpu() as cpu:
-            busy = interleave(timed, batches, args.reps, device, "busy neighbour: one CPU held", seed=args.seed)
+            busy = interleave(timed, batches, args.reps, device, "busy: one CPU held", seed=args.seed, pause=PAUSE_S)
     return _report(quiet, busy, cpu, threads, report)
 
 

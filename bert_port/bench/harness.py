@@ -92,9 +92,11 @@ def interleave(
     desc: str,
     seed: int = 0,
     warmup: int = 1,
+    pause: float = 0.0,
 ) -> dict[str, list[float]]:
     """Seconds per repetition (one pass over `inputs`) of every variant. Within a
-    repetition the variants take turns on each input, in a shuffled order."""
+    repetition the variants take turns on each input, in a shuffled order, `pause` seconds
+    apart (untimed: the threads a variant leaves spinning stop before the next one starts)."""
     rng = random.Random(seed)
     for _ in range(warmup):
         for fn in variants.values():
@@ -105,6 +107,7 @@ def interleave(
         order = list(variants)
         rng.shuffle(order)
         for name in order:
+            time.sleep(pause)
             sync(device)
             t = time.perf_counter()
             variants[name](inputs[item])

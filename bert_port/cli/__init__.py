@@ -19,6 +19,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int | str:
+    """argparse `type=` for `--threads`: "auto" (`bert_port.threads.ThreadGovernor`) or a
+    positive integer."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def settings_parser(prog: str, description: str, settings: type, file_flag: str, file_help: str):
     """The parser of a training command: `file_flag` names a settings file (JSON, keys as the
     flags; flags win), then one flag per field of `settings` (`add_settings_flags`)."""

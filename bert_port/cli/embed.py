@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from bert_port.cli import positive_int
+from bert_port.cli import positive_int, thread_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("int8",),
         default=None,
         help="int8: the encoder's dense layers in int8 (CPU only; bert_port.quantization); default float",
+    )
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=None,
+        help="CPU threads: a number, or 'auto' to follow the cores other processes leave free "
+        "(bert_port.threads); default torch's choice",
     )
     p.add_argument("--overwrite", action="store_true", help="replace another run's embeddings in OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         device=_device(args.device),
         quantization=args.quantization,
+        threads=args.threads,
     )
     try:
         job = prepare(args.model, args.input, args.output, columns, opts)

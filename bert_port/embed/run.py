@@ -29,6 +29,7 @@ from tokenizers import Encoding, Tokenizer
 
 from .. import checkpoint as ckpt
 from ..sentence import SentenceEncoder
+from ..threads import ThreadGovernor
 from . import store
 from .corpus import Columns, EmbedError, Record, Scan, describe
 
@@ -53,6 +54,7 @@ class Options:
     progress: bool = True
     device: str | None = None
     quantization: str | None = None  # "int8": SentenceEncoder.from_pretrained(quantization="int8")
+    threads: int | str | None = None  # CPU threads; "auto": a `ThreadGovernor` between batches
 
 
 @dataclass
@@ -162,6 +164,9 @@ class ShardEmbedder:
         self.tokenizer.enable_truncation(max_length=encoder.max_seq_length)
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         self.prompt, self.opts, self.bar = prompt, opts, bar
+        self.governor = ThreadGovernor() if opts.threads == "auto" else None
+        if isinstance(opts.threads, int):
+            torch.set_num_threads(opts.threads)
 
     def _inputs(self, window: list[Record]) -> list:
         texts = [self.prompt + r.text for r in window]
@@ -183,6 +188,8 @@ class ShardEmbedder:
             encodings = self.tokenizer.encode_batch(self._inputs(window))  # each text tokenized once
             truncated += [r.id for r, e in zip(window, encodings) if e.overflowing]
             for group in batches([len(e.ids) for e in encodings], self.opts.batch_tokens):
+                if self.governor is not None:
+                    self.governor.step()
                 batch = {k: v.to(device) for k, v in _collate([encodings[i] for i in group], self.pad_id).items()}
                 out[[start + i for i in group]] = self.encoder(**batch).float().cpu()
                 n_tokens = sum(len(encodings[i].ids) for i in group)

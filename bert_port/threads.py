@@ -1,0 +1,117 @@
+"""A thread count that follows the CPUs other processes leave free (`--threads auto`).
+
+torch runs every op over a fixed pool of intra-op threads and waits at the end of each
+parallel region for the slowest. When another process holds one of the cores, the thread
+on that core gets only part of it and every region waits for it: on the 2-core Xeon of the
+README ("Speed", "Busy neighbour"), MiniLM at 2 threads with one core held by a shell loop
+ran 2.7x slower than at 1 thread. `ThreadGovernor` reads how much CPU time the other
+processes took on the CPUs this process may use (/proc/stat less this process's own time,
+`os.times`) and sets the thread count to the cores they left: a core counts as taken when
+they used more than `TAKEN` of it over the last interval.
+
+The thread count changes between batches, never inside one. On the AMX Xeon of the README
+MiniLM's outputs have the same bits at 1 and 2 threads; that is not known for every CPU (a
+GEMM may split its reduction at one count and not at the other), so `auto` is opt-in: leave
+it off where runs must repeat bit for bit under any load.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Self
+
+import torch
+
+TAKEN = 0.25  # share of a core other processes must have used for it to count as taken
+INTERVAL_S = 0.5  # how often the load is read again
+
+
+def _cpu_seconds(cpus: set[int]) -> float | None:
+    """Busy CPU seconds of `cpus` since boot (all processes), from /proc/stat; None where
+    there is no /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(f) for f in fields]
+            busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # user..steal, less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of a live process, 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def child_pids() -> list[int]:
+    """The live child processes of this one (from /proc; empty without it)."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+class ThreadGovernor:
+    """Call `step()` before each batch: every `interval` seconds it sets torch's intra-op
+    thread count to the cores of this process's CPUs that other processes left free (at
+    least 1, at most `max_threads`, default the usable CPUs). `exclude` lists processes of the
+    same job (workers), whose CPU time is not a neighbour's. Use it as a context manager to
+    put the thread count back afterwards. Where /proc/stat is missing it does nothing."""
+
+    def __init__(self, max_threads: int | None = None, interval: float = INTERVAL_S, exclude=()) -> None:
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self.max_threads = max_threads or len(self.cpus)
+        self.interval = interval
+        self.saved = torch.get_num_threads()
+        self._last: tuple[float, float, float] | None = None
+        self.threads = self.max_threads
+        self.changes = 0
+        self.exclude = list(exclude)
+
+    def others_load(self) -> float | None:
+        """Cores' worth of CPU time other processes used on our CPUs since the last call
+        (None on the first call, or without /proc/stat)."""
+        busy = _cpu_seconds(self.cpus)
+        if busy is None:
+            return None
+        own = os.times()
+        now = (time.monotonic(), busy, own.user + own.system + sum(map(_process_seconds, self.exclude)))
+        last, self._last = self._last, now
+        if last is None or now[0] <= last[0]:
+            return None
+        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+
+    def step(self) -> int:
+        """The thread count for the next batch, set in torch."""
+        if self._last is None or time.monotonic() - self._last[0] >= self.interval:
+            others = self.others_load()
+            if others is not None:
+                taken = max(0, math.ceil(others - TAKEN))
+                self.threads = max(1, min(self.max_threads, len(self.cpus) - taken))
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+            self.changes += 1
+        return self.threads
+
+    def __enter__(self) -> Self:
+        self.saved = torch.get_num_threads()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.saved)
