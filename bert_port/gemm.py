@@ -62,17 +62,31 @@ settle_vector_math()
 
 def row_stable(x: Tensor, weight: Tensor) -> bool:
     """Whether `row_stable_linear` takes oneDNN for x (N, K): CPU inference in fp32, or in
-    bf16 where oneDNN has native bf16 kernels."""
+    bf16 (bf16 weights, or fp32 or bf16 ones under bf16 autocast) where oneDNN has native bf16."""
+    floats = (torch.float32, torch.bfloat16)
+    if _autocasting(x):  # F.linear would cast x, weight and bias to autocast's dtype
+        dtypes_ok = torch.get_autocast_dtype("cpu") == torch.bfloat16 and {x.dtype, weight.dtype} <= set(floats)
+    else:
+        dtypes_ok = x.dtype == weight.dtype and x.dtype in floats
     return (
-        x.dim() == 2
+        dtypes_ok
+        and x.dim() == 2
         and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype == x.dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.compiler.is_compiling()
         and torch.backends.mkldnn.is_available()
-        and (x.dtype == torch.float32 or _native_bf16())
+        and (_compute_dtype(x) == torch.float32 or _native_bf16())
     )
+
+
+def _autocasting(x: Tensor) -> bool:
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype `F.linear` would compute x's GEMM in: CPU autocast's where it is on, else
+    x's. oneDNN's own op is outside autocast, so `row_stable_linear` casts itself."""
+    return torch.get_autocast_dtype("cpu") if _autocasting(x) else x.dtype
 
 
 @functools.cache
@@ -87,8 +101,10 @@ def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.
     N where `row_stable` holds; the packed copy of `weight` is cached on `owner`."""
     if not row_stable(x, weight):
         return F.linear(x, weight, bias)
-    packed = _cached(owner, (weight,), lambda: _pack(weight))
-    return _onednn_linear(x, packed, bias)
+    dtype = _compute_dtype(x)
+    sources = (weight,) if bias is None else (weight, bias)
+    packed, bias = _cached(owner, sources, lambda: (_pack(weight.to(dtype)), _cast(bias, dtype)), dtype)
+    return _onednn_linear(x.to(dtype), packed, bias)
 
 
 def stack_linears(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor]:
@@ -104,12 +120,18 @@ def fused_row_stable_linear(x: Tensor, linears: tuple[nn.Linear, ...], owner: nn
     if not row_stable(x, linears[0].weight):
         return F.linear(x, *stack_linears(linears))
 
+    dtype = _compute_dtype(x)
+
     def build() -> tuple[Tensor, Tensor]:
         weight, bias = stack_linears(linears)
-        return _pack(weight), bias.detach()
+        return _pack(weight.to(dtype)), _cast(bias, dtype)
 
-    packed, bias = _cached(owner, tuple(t for m in linears for t in (m.weight, m.bias)), build)
-    return _onednn_linear(x, packed, bias)
+    packed, bias = _cached(owner, tuple(t for m in linears for t in (m.weight, m.bias)), build, dtype)
+    return _onednn_linear(x.to(dtype), packed, bias)
+
+
+def _cast(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if bias is None else bias.detach().to(dtype)
 
 
 def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
@@ -143,12 +165,13 @@ class _Cache:
         return _Cache, ()
 
 
-def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build):
+def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build, dtype: torch.dtype):
     """`build()`, kept on `owner` until a tensor of `sources` changes: its storage or version
     counter, or a gradient accumulated into it (the step that follows may be a fused
-    optimiser's, which leaves the version counter alone); or the dtype or thread count."""
+    optimiser's, which leaves the version counter alone); or the dtype (the sources' or the
+    one computed in, autocast's) or the thread count."""
     versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)  # inference: none
-    key = (versions, sources[0].dtype, torch.get_num_threads())
+    key = (versions, sources[0].dtype, dtype, torch.get_num_threads())
     cache = owner.__dict__.setdefault(_CACHE, _Cache())
     if cache.entry is None or cache.entry[0] != key:
         _drop(owner)

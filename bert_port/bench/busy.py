@@ -74,7 +74,7 @@ def section_busy(args, device: torch.device, bf16: bool, report) -> dict[str, An
     batches = mr_batches(load_tokenizer(path), 2 if args.quick else args.batches, args.batch_size, args.seed, device)
     ref = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
     port = model_forward(BertModel.from_pretrained(path))
-    governor = ThreadGovernor()  # one for both dtypes: one process, one thread pool
+    governor = ThreadGovernor(max_threads=threads)  # one for both dtypes: one process, one thread pool
     rows = {REFERENCE: Row(model_forward(ref)), PORT: Row(port), PORT + AUTO: Row(governed(port, governor))}
     if bf16:
         port_bf16 = model_forward(BertModel.from_pretrained(path, dtype=torch.bfloat16))
