@@ -19,8 +19,9 @@ AVX-512 and AMX (README, "Same text, same bits"):
 The prepacked weight is cached on the module, keyed on the weight's storage, version
 counter, dtype and the thread count, and dropped when a gradient is accumulated into the
 weight: fused optimisers update weights in place without bumping the version counter.
-`clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it). Training, autograd, other dtypes, other devices and a
-torch without oneDNN take `F.linear`.
+`clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it).
+Under bf16 autocast the GEMMs run in bf16 here, as `F.linear` would. Training, autograd,
+other dtypes, other devices and a torch without oneDNN take `F.linear`.
 
 One more source of other bits is not a GEMM: MKL's vector math (VML), behind torch.tanh and
 torch.erf on CPU float tensors (the pooler's tanh, the python GELUs). A process's first call
@@ -60,33 +61,28 @@ def settle_vector_math() -> None:
 settle_vector_math()
 
 
-def row_stable(x: Tensor, weight: Tensor) -> bool:
-    """Whether `row_stable_linear` takes oneDNN for x (N, K): CPU inference in fp32, or in
-    bf16 (bf16 weights, or fp32 or bf16 ones under bf16 autocast) where oneDNN has native bf16."""
+def row_stable_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The dtype `row_stable_linear` runs x (N, K) through oneDNN in, or None for `F.linear`:
+    CPU inference in fp32, or in bf16 (bf16 weights, or fp32 or bf16 ones under bf16 autocast)
+    where oneDNN has native bf16. oneDNN's op is outside autocast, so autocast's dtype is the
+    one `F.linear` would compute in, and the casts are made here."""
     floats = (torch.float32, torch.bfloat16)
-    if _autocasting(x):  # F.linear would cast x, weight and bias to autocast's dtype
-        dtypes_ok = torch.get_autocast_dtype("cpu") == torch.bfloat16 and {x.dtype, weight.dtype} <= set(floats)
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # F.linear would cast all three
+        dtype = torch.get_autocast_dtype("cpu")
+        dtypes_ok = dtype == torch.bfloat16 and {x.dtype, weight.dtype} <= set(floats)
     else:
+        dtype = x.dtype
         dtypes_ok = x.dtype == weight.dtype and x.dtype in floats
-    return (
+    stable = (
         dtypes_ok
         and x.dim() == 2
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.compiler.is_compiling()
         and torch.backends.mkldnn.is_available()
-        and (_compute_dtype(x) == torch.float32 or _native_bf16())
+        and (dtype == torch.float32 or _native_bf16())
     )
-
-
-def _autocasting(x: Tensor) -> bool:
-    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype `F.linear` would compute x's GEMM in: CPU autocast's where it is on, else
-    x's. oneDNN's own op is outside autocast, so `row_stable_linear` casts itself."""
-    return torch.get_autocast_dtype("cpu") if _autocasting(x) else x.dtype
+    return dtype if stable else None
 
 
 @functools.cache
@@ -98,10 +94,10 @@ def _native_bf16() -> bool:
 
 def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.Module) -> Tensor:
     """`F.linear(x, weight, bias)` for packed rows x (N, K), with bits per row independent of
-    N where `row_stable` holds; the packed copy of `weight` is cached on `owner`."""
-    if not row_stable(x, weight):
+    N where `row_stable_dtype` allows; the packed copy of `weight` is cached on `owner`."""
+    dtype = row_stable_dtype(x, weight)
+    if dtype is None:
         return F.linear(x, weight, bias)
-    dtype = _compute_dtype(x)
     sources = (weight,) if bias is None else (weight, bias)
     packed, bias = _cached(owner, sources, lambda: (_pack(weight.to(dtype)), _cast(bias, dtype)), dtype)
     return _onednn_linear(x.to(dtype), packed, bias)
@@ -117,10 +113,9 @@ def fused_row_stable_linear(x: Tensor, linears: tuple[nn.Linear, ...], owner: nn
     """`linears` stacked into one GEMM (`stack_linears`) on packed rows x (N, K), as
     `row_stable_linear`; the stacked, packed weight and the stacked bias are cached on `owner`
     (built once, not concatenated on every call)."""
-    if not row_stable(x, linears[0].weight):
+    dtype = row_stable_dtype(x, linears[0].weight)
+    if dtype is None:
         return F.linear(x, *stack_linears(linears))
-
-    dtype = _compute_dtype(x)
 
     def build() -> tuple[Tensor, Tensor]:
         weight, bias = stack_linears(linears)

@@ -45,26 +45,26 @@ def _cpu_seconds(cpus: set[int]) -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), None once the
+    process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _process_seconds(pid: int) -> float:
     """CPU seconds (user + system) of a live process, 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def child_pids() -> list[int]:
     """The live child processes of this one (from /proc; empty without it)."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
+    me = str(os.getpid())
+    entries = Path("/proc").iterdir() if Path("/proc").is_dir() else ()
+    return [int(e.name) for e in entries if e.name.isdigit() and (_stat_fields(e.name) or [None, None])[1] == me]
 
 
 class ThreadGovernor:
@@ -81,7 +81,6 @@ class ThreadGovernor:
         self.saved = torch.get_num_threads()
         self._last: tuple[float, float, float] | None = None
         self.threads = self.max_threads
-        self.changes = 0
         self.exclude = list(exclude)
 
     def others_load(self) -> float | None:
@@ -106,7 +105,6 @@ class ThreadGovernor:
                 self.threads = max(1, min(self.max_threads, len(self.cpus) - taken))
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-            self.changes += 1
         return self.threads
 
     def __enter__(self) -> Self:

@@ -107,7 +107,8 @@ def interleave(
         order = list(variants)
         rng.shuffle(order)
         for name in order:
-            time.sleep(pause)
+            if pause:
+                time.sleep(pause)
             sync(device)
             t = time.perf_counter()
             variants[name](inputs[item])
