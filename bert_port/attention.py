@@ -55,31 +55,37 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
       `FP32_FLASH_MIN_LEN` tokens or more takes the flash kernel, which wins there (it never
       materialises the (nh, L, L) scores). The choice depends on the sequence's own length,
       never on its neighbours, so a text gets the same kernel alone as in any batch.
-    - bf16/fp16 inference: the flash kernel per sequence (`_flash_attention`), faster there
-      and with scores and softmax kept in fp32.
+    - bf16/fp16 inference: the same fp32 path on an fp32 copy of `qkv` (one cast in, one out
+      per layer), faster than the flash kernel per sequence in bf16 and as accurate: the flash
+      kernel keeps its scores and softmax in fp32 too.
     - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
       per sequence costs more than the padding saves (the backward of one small flash call
       per sequence made a fine-tuning step slower than transformers'; on CUDA, a kernel
       launch per sequence).
+
+    Filler rows (`packing.with_filler`) get no attention: their context is zeros.
     """
     half = qkv.dtype in (torch.float16, torch.bfloat16)
-    if qkv.is_cuda or (half and torch.is_grad_enabled() and qkv.requires_grad):
+    training = torch.is_grad_enabled() and qkv.requires_grad
+    if qkv.is_cuda or (half and training):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    long_flash = qkv.dtype == torch.float32 and not (torch.is_grad_enabled() and qkv.requires_grad)
-
-    # torch 2.13's CPU flash kernel in bf16/fp16 fails under ATEN_CPU_CAPABILITY=default on a CPU
-    # with AMX ("pack_vnni2 is only supported when avx512 is supported"): the math path there.
-    half_flash = half and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    if half:  # (autocast off: it would cast the fp32 copy back to bf16 at every matmul)
+        with torch.autocast(qkv.device.type, enabled=False):
+            return packed_attention(qkv.float(), packing, num_heads, scale, dropout_p).to(qkv.dtype)
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # float64 too: the math path
-        flash = half_flash or (long_flash and q.shape[1] >= FP32_FLASH_MIN_LEN)
+        flash = not training and qkv.dtype == torch.float32 and q.shape[1] >= FP32_FLASH_MIN_LEN
         return (_flash_attention if flash else _math_attention)(q, k, v, scale, dropout_p)
 
     N, three_h = qkv.shape
     head_size = three_h // (3 * num_heads)
     q, k, v = qkv.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
-    per_sequence = zip(*(t.split(packing.seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
+    real = N - packing.filler
+    seqlens = packing.seqlens[:-1] if packing.filler else packing.seqlens
+    per_sequence = zip(*(t[:, :real].split(seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
     contexts = [attend(*qkv_i).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
+    if packing.filler:
+        contexts.append(qkv.new_zeros(packing.filler, num_heads, head_size))
     return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows
 
 

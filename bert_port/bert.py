@@ -28,7 +28,7 @@ from .attention import packed_attention, sdpa_attention, varlen_attention, varle
 from .base_bert import BertPreTrainedModel
 from .cache import KVCache, LayerCache
 from .config import BertConfig
-from .gemm import RowStableLinear, fused_row_stable_linear, stack_linears
+from .gemm import RowStableLinear, epilogue, fused_row_stable_linear, stack_linears
 from .outputs import ModelOutput
 from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
 from .utils import additive_mask, get_activation, get_extended_attention_mask
@@ -150,10 +150,9 @@ class BertSelfAttention(nn.Module):
             # Real tokens only: query, key and value in one matmul on N rows instead of three on B*T.
             if self.qkv is not None:  # int8 (quantization.py)
                 qkv = self.qkv(hidden_states)
-            elif self.config.batch_invariant:  # every row's bits independent of the batch (gemm.py)
-                qkv = fused_row_stable_linear(hidden_states, (self.query, self.key, self.value), self)
-            else:
-                qkv = F.linear(hidden_states, *self.fused_qkv())  # (N, 3H)
+            else:  # (N, 3H); gemm.py: oneDNN on a packed weight in inference, F.linear(x, *self.fused_qkv()) else
+                invariant = self.config.batch_invariant  # every row's bits independent of the batch
+                qkv = fused_row_stable_linear(hidden_states, (self.query, self.key, self.value), self, invariant)
             if implementation == "varlen" and varlen_supported(qkv, dropout_p):
                 return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
             # Otherwise attention on each sequence's real tokens (attention.py says why).
@@ -186,6 +185,15 @@ def _layer_norm(config: BertConfig) -> nn.LayerNorm:
 def _norm(layer_norm: nn.LayerNorm | None, x: Tensor) -> Tensor:
     """`layer_norm(x)`, or `x` where the arrangement has no LayerNorm at this place."""
     return x if layer_norm is None else layer_norm(x)
+
+
+def _dense(layer: nn.Module, x: Tensor, activation=None, residual: Tensor | None = None) -> Tensor:
+    """`activation(layer(x)) + residual` (each where given). A layer with `fuses_epilogue`
+    (`gemm.RowStableLinear`, the int8 `Int8Linear`) computes both inside its GEMM in inference:
+    one pass over the output fewer each. Any other layer (one a user put in) is called alone."""
+    if getattr(type(layer), "fuses_epilogue", False):
+        return layer(x, activation=activation, residual=residual)
+    return epilogue(layer(x), activation, residual)
 
 
 class BertLayer(nn.Module):
@@ -222,7 +230,9 @@ class BertLayer(nn.Module):
     ) -> Tensor:
         """Project the sublayer `output`, drop out, add the residual `input`, normalise (post-LN;
         a pre-LN layer passes `ln_layer` None: it normalised the sublayer's input instead)."""
-        return _norm(ln_layer, dropout(dense_layer(output)) + input)
+        if dropout.training and dropout.p > 0:
+            return _norm(ln_layer, dropout(dense_layer(output)) + input)
+        return _norm(ln_layer, _dense(dense_layer, output, residual=input))  # the addition in the GEMM's epilogue
 
     def forward(
         self,
@@ -248,7 +258,7 @@ class BertLayer(nn.Module):
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
         )
-        interm = self.interm_af(self.interm_dense(_norm(self.pre_ffn_layer_norm, attention_output)))
+        interm = _dense(self.interm_dense, _norm(self.pre_ffn_layer_norm, attention_output), self.interm_af)
         layer_output = self.add_norm(attention_output, interm, self.out_dense, self.out_dropout, self.out_layer_norm)
         return (layer_output, probs) if output_attentions else layer_output
 
@@ -318,16 +328,17 @@ class BertModel(BertPreTrainedModel):
 
         When `packing_for` allows it (the default: SDPA or varlen attention, a 2-D mask or none),
         the layers run on the N real tokens only (with filler rows up to `MIN_GEMM_ROWS`, which
-        makes every row's result independent of the batch; see `packing.py`), and padding
-        positions of every output are zeros.
+        makes every row's result independent of the batch, and up to the row counts the GEMMs
+        run on, `_row_multiple`; see `packing.py`), and padding positions of every output are zeros.
         """
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden_states.device)
         packing = self.packing_for(attention_mask, output_attentions, hidden_states)  # None: the padded path
         if packing is not None:
             hidden_states = unpad(hidden_states, packing)  # (N, H)
-            if self.config.batch_invariant:
-                hidden_states, packing = with_filler(hidden_states, packing)  # (N + F, H)
+            hidden_states, packing = with_filler(
+                hidden_states, packing, self._row_multiple(hidden_states)
+            )  # (N + F, H)
             extended_mask = None  # packed rows attend within their own sequence (`packing`)
         else:
             past = cache.get_seq_length() if cache is not None else 0
@@ -358,6 +369,13 @@ class BertModel(BertPreTrainedModel):
             tuple(all_hidden) if output_hidden_states else None,
             tuple(all_attn) if output_attentions else None,
         )
+
+    def _row_multiple(self, rows: Tensor) -> int:
+        """The packed rows' count is best a multiple of this: the row counts the dense layers run
+        their GEMMs on (`gemm.row_multiple`, the int8 layers' `INT8_ROW_STEP`), so that no GEMM
+        pads rows of its own and a corpus of batches reuses a few compiled kernels."""
+        dense = self.bert_layers[0].interm_dense if len(self.bert_layers) else None
+        return dense.row_multiple(rows) if hasattr(dense, "row_multiple") else 1
 
     def packing_for(
         self, attention_mask: Tensor | None, output_attentions: bool = False, hidden_states: Tensor | None = None

@@ -23,6 +23,13 @@ weight: fused optimisers update weights in place without bumping the version cou
 Under bf16 autocast the GEMMs run in bf16 here, as `F.linear` would. Training, autograd,
 other dtypes, other devices and a torch without oneDNN take `F.linear`.
 
+What follows a dense layer runs in the GEMM's epilogue here, in inference: the FFN's
+activation (`F.gelu` and `F.relu`, as oneDNN post-ops; in fp32 the bits of ATen's) and the
+residual addition of `BertLayer.add_norm` (a binary post-op). Each is elementwise, so a row's
+bits still do not depend on the others, and each saves a pass over the (N, M) output. The
+packed path makes its rows a multiple of `row_multiple` once per batch (`BertModel.encode`), so
+that the GEMMs need no zero rows of their own.
+
 One more source of other bits is not a GEMM: MKL's vector math (VML), behind torch.tanh and
 torch.erf on CPU float tensors (the pooler's tanh, the python GELUs). A process's first call
 split over 2 threads raced MKL's lazy set-up on this Xeon and gave the second thread's half
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,15 +100,41 @@ def _native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def row_stable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, owner: nn.Module) -> Tensor:
-    """`F.linear(x, weight, bias)` for packed rows x (N, K), with bits per row independent of
-    N where `row_stable_dtype` allows; the packed copy of `weight` is cached on `owner`."""
+def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int:
+    """The row counts `row_stable_linear` runs x (N, K) on are multiples of this: N itself
+    where it takes `F.linear`."""
     dtype = row_stable_dtype(x, weight)
     if dtype is None:
-        return F.linear(x, weight, bias)
-    sources = (weight,) if bias is None else (weight, bias)
-    packed, bias = _cached(owner, sources, lambda: (_pack(weight.to(dtype)), _cast(bias, dtype)), dtype)
-    return _onednn_linear(x.to(dtype), packed, bias)
+        return 1
+    return BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else FP32_ROW_STEP
+
+
+# Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
+# ATen's bits on the AVX-512 Xeon (README, "Speed"); other activations run after the GEMM.
+POST_OPS: dict[Callable, tuple[str, str]] = {F.gelu: ("gelu", "none"), F.relu: ("relu", "")}
+
+
+def epilogue(y: Tensor, activation: Callable | None, residual: Tensor | None) -> Tensor:
+    """`activation(y) + residual`, each where given: what a fused GEMM computes, unfused."""
+    y = y if activation is None else activation(y)
+    return y if residual is None else y + residual
+
+
+def row_stable_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    owner: nn.Module,
+    activation: Callable | None = None,
+    residual: Tensor | None = None,
+    batch_invariant: bool = True,
+) -> Tensor:
+    """`epilogue(F.linear(x, weight, bias), activation, residual)` for packed rows x (N, K),
+    through oneDNN where `row_stable_dtype` allows, with the packed copy of `weight` cached on
+    `owner`; the activation (one of `POST_OPS`) or the residual (N, M) run in the GEMM's
+    epilogue there. With `batch_invariant` a row's bits do not depend on N (bf16 in blocks);
+    without, bf16 runs all N rows in one call, faster, with bits that may."""
+    return _linear(x, (weight, bias), owner, activation, residual, batch_invariant)
 
 
 def stack_linears(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor]:
@@ -109,37 +143,57 @@ def stack_linears(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor]:
     return torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears])
 
 
-def fused_row_stable_linear(x: Tensor, linears: tuple[nn.Linear, ...], owner: nn.Module) -> Tensor:
+def fused_row_stable_linear(
+    x: Tensor, linears: tuple[nn.Linear, ...], owner: nn.Module, batch_invariant: bool = True
+) -> Tensor:
     """`linears` stacked into one GEMM (`stack_linears`) on packed rows x (N, K), as
     `row_stable_linear`; the stacked, packed weight and the stacked bias are cached on `owner`
     (built once, not concatenated on every call)."""
-    dtype = row_stable_dtype(x, linears[0].weight)
-    if dtype is None:
-        return F.linear(x, *stack_linears(linears))
-
-    def build() -> tuple[Tensor, Tensor]:
-        weight, bias = stack_linears(linears)
-        return _pack(weight.to(dtype)), _cast(bias, dtype)
-
-    packed, bias = _cached(owner, tuple(t for m in linears for t in (m.weight, m.bias)), build, dtype)
-    return _onednn_linear(x.to(dtype), packed, bias)
+    return _linear(x, linears, owner, None, None, batch_invariant)
 
 
-def _cast(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if bias is None else bias.detach().to(dtype)
+def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
+    """`row_stable_linear` of a (weight, bias) pair, or of the `nn.Linear`s `layers` stacked."""
+    stacked = isinstance(layers[0], nn.Module)
+    sources = tuple(t for m in layers for t in (m.weight, m.bias)) if stacked else layers
+    dtype = row_stable_dtype(x, sources[0])
+    fusable = activation is None or activation in POST_OPS
+    if residual is not None:  # (autocast's fp32 residual stays an addition after the GEMM, as F.linear + add)
+        fusable = fusable and activation is None and residual.dtype == dtype
+    if dtype is None or not fusable:
+        weight_bias = stack_linears(layers) if stacked else layers
+        y = F.linear(x, *weight_bias) if dtype is None else _linear(x, layers, owner, None, None, batch_invariant)
+        return epilogue(y, activation, residual)
+
+    def build() -> tuple[Tensor, Tensor | None]:
+        weight, bias = stack_linears(layers) if stacked else layers
+        return _pack(weight.to(dtype)), None if bias is None else bias.detach().to(dtype)
+
+    packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype)
+    block = BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else None
+    return _onednn_linear(x.to(dtype), packed, bias, POST_OPS.get(activation, ("none", "")), residual, block)
 
 
-def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """fp32: one call on the rows made up to a multiple of `FP32_ROW_STEP`; bf16: calls of
-    `BF16_ROW_BLOCK` rows each. Zero rows pad the last block; they are dropped."""
+def _onednn_linear(
+    x: Tensor, packed: Tensor, bias: Tensor | None, post_op: tuple[str, str], residual: Tensor | None, block: int | None
+) -> Tensor:
+    """Calls of `block` rows each (bf16's batch invariance), or one call, on the rows made up to
+    a multiple of `block` or `FP32_ROW_STEP` by zero rows (none on the packed path, whose rows
+    are a multiple already), which are dropped. `post_op` is an activation of `POST_OPS` or
+    ("none", ""); `residual` (N, M) is added in the epilogue instead."""
     n = x.shape[0]
-    step = BF16_ROW_BLOCK if x.dtype == torch.bfloat16 else FP32_ROW_STEP
-    rows = -(-n // step) * step
+    rows = -(-n // (block or FP32_ROW_STEP)) * (block or FP32_ROW_STEP)
     if rows != n:
-        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
-    blocks = x.split(BF16_ROW_BLOCK) if x.dtype == torch.bfloat16 else (x,)
-    out = [torch.ops.mkldnn._linear_pointwise(b, packed, bias, "none", [], "") for b in blocks]
-    return (out[0] if len(out) == 1 else torch.cat(out))[:n]
+        x = F.pad(x, (0, 0, 0, rows - n))
+        residual = None if residual is None else F.pad(residual, (0, 0, 0, rows - n))
+    blocks = x.split(block) if block else (x,)
+    if residual is None:
+        out = [torch.ops.mkldnn._linear_pointwise(b, packed, bias, post_op[0], [], post_op[1]) for b in blocks]
+    else:
+        others = residual.split(block) if block else (residual,)
+        out = [torch.ops.mkldnn._linear_pointwise.binary(b, r, packed, bias, "add") for b, r in zip(blocks, others)]
+    out = out[0] if len(out) == 1 else torch.cat(out)
+    return out if rows == n else out[:n]
 
 
 def _pack(weight: Tensor) -> Tensor:
@@ -196,14 +250,25 @@ def clear_packed_weights(model: nn.Module) -> None:
 
 class RowStableLinear(nn.Linear):
     """`nn.Linear` whose 2-D inputs (the packed rows of `BertModel.encode`) go through
-    `row_stable_linear` while `config.batch_invariant` holds; the padded path's 3-D inputs,
-    and every input of a model with `batch_invariant=False`, run `F.linear`."""
+    `row_stable_linear`, batch-invariant while `config.batch_invariant` holds; the padded
+    path's 3-D inputs run `F.linear`.
+
+    `forward(x, activation, residual)` computes `epilogue(linear(x), activation, residual)`,
+    in the GEMM where it can (`fuses_epilogue`: `BertLayer` passes its activation and residual
+    to such layers only)."""
+
+    fuses_epilogue = True
 
     def __init__(self, in_features: int, out_features: int, config) -> None:
         super().__init__(in_features, out_features)
         self.__dict__["config"] = config  # shared with the model, read at each call; not a submodule
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 2 or not self.config.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
-        return row_stable_linear(x, self.weight, self.bias, self)
+    def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
+        if x.dim() != 2:
+            return epilogue(F.linear(x, self.weight, self.bias), activation, residual)
+        invariant = self.config.batch_invariant
+        return row_stable_linear(x, self.weight, self.bias, self, activation, residual, invariant)
+
+    def row_multiple(self, x: Tensor) -> int:
+        """Packed rows x (N, K) are best a multiple of this many (`row_multiple`)."""
+        return row_multiple(x, self.weight, self.config.batch_invariant)

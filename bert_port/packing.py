@@ -83,13 +83,16 @@ def pack(attention_mask: Tensor) -> Packing:
 MIN_GEMM_ROWS = 16
 
 
-def with_filler(x: Tensor, packing: Packing, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, Packing]:
-    """Packed rows x (N, ...) with zero rows appended up to `rows`, as one more sequence, and
-    the packing that says so; unchanged when N >= `rows` already."""
-    filler = rows - x.shape[0]
+def with_filler(x: Tensor, packing: Packing, multiple: int = 1) -> tuple[Tensor, Packing]:
+    """Packed rows x (N, ...) with zero rows appended up to at least `MIN_GEMM_ROWS` and a
+    multiple of `multiple` (the row counts the GEMMs run on, `gemm.row_multiple`: no GEMM pads
+    rows of its own), as one more sequence, and the packing that says so; unchanged when N is
+    such a count already."""
+    n = x.shape[0]
+    filler = max(MIN_GEMM_ROWS, -(-n // multiple) * multiple) - n
     if filler <= 0:
         return x, packing
-    x = torch.cat([x, x.new_zeros(filler, *x.shape[1:])])
+    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, filler))
     cu_seqlens = torch.cat([packing.cu_seqlens, packing.cu_seqlens[-1:] + filler])
     return x, dataclasses.replace(packing, cu_seqlens=cu_seqlens, seqlens=(*packing.seqlens, filler), filler=filler)
 

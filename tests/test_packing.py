@@ -15,7 +15,7 @@ from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
 from bert_port.attention import varlen_supported
-from bert_port.packing import pack, pad, unpad
+from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
 
 
 def _holes_batch(vocab_size: int) -> dict:
@@ -75,17 +75,20 @@ def test_packing_for_chooses_the_unpadded_path_where_it_computes_the_same():
 
 def test_the_layer_body_is_what_runs(tiny_config):
     """The default model (SDPA, unpadding) on a padded batch runs `BertLayer.forward` and
-    `BertSelfAttention.forward` once per layer, on the packed (N, H) real-token rows."""
+    `BertSelfAttention.forward` once per layer, on the packed (N, H) real-token rows and the
+    filler rows that make them a row count the GEMMs run on (`gemm.row_multiple`)."""
     model = BertModel(BertConfig.from_dict(tiny_config)).eval()
     batch = random_batch(tiny_config["vocab_size"])
-    n_real = int(batch["attention_mask"].sum())
+    with torch.no_grad():  # (in training the GEMMs are F.linear's, which takes any row count)
+        multiple = model.bert_layers[0].interm_dense.row_multiple(torch.zeros(1, tiny_config["hidden_size"]))
+    rows = max(MIN_GEMM_ROWS, -(-int(batch["attention_mask"].sum()) // multiple) * multiple)
     seen = []
     for module in model.modules():
         if isinstance(module, (BertLayer, BertSelfAttention)):
             module.register_forward_hook(lambda m, args, out: seen.append((type(m).__name__, tuple(args[0].shape))))
     with torch.no_grad():
         model(**batch)
-    row = (n_real, tiny_config["hidden_size"])
+    row = (rows, tiny_config["hidden_size"])
     assert seen == [("BertSelfAttention", row), ("BertLayer", row)] * tiny_config["num_hidden_layers"]
 
 
@@ -95,7 +98,7 @@ def test_the_layer_body_is_what_runs(tiny_config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype, monkeypatch):
     """On the CPU, attention runs on each sequence's real tokens: in fp32 (two bmm) with or
-    without autograd, in bf16/fp16 (the flash kernel) in inference; bf16/fp16 training runs
+    without autograd, in bf16/fp16 (the same on an fp32 copy) in inference; bf16/fp16 training runs
     one padded SDPA call over the packed rows. All attend within each sequence only, holes
     in the mask included, and give the padded call's values and gradients."""
     from bert_port import attention
