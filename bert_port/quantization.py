@@ -290,10 +290,16 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
     `interm_dense` and `out_dense` of every layer, over the real tokens of `batches` run
     through the (float32) encoder `model`: {(layer, name): (max, min, mean)}."""
     stats: dict[tuple[int, str], list[Tensor]] = {}
+    filler = [0]  # the filler rows (packing.with_filler) after the real ones, in the layer running now
+
+    def note_filler(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        packing = kwargs.get("packing")
+        filler[0] = packing.filler if packing is not None else 0
 
     def record(key: tuple[int, str]):
         def hook(module: nn.Module, inputs: tuple) -> None:
             x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            x = x[: x.shape[0] - filler[0]]
             new = [x.amax(dim=0), x.amin(dim=0), x.sum(dim=0), torch.tensor(float(x.shape[0]))]
             if key in stats:
                 old = stats[key]
@@ -304,12 +310,13 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
 
     handles = []
     for i, layer in enumerate(model.bert_layers):
+        handles.append(layer.register_forward_pre_hook(note_filler, with_kwargs=True))
         handles.append(layer.self_attention.register_forward_pre_hook(record((i, "qkv"))))
         handles.append(layer.interm_dense.register_forward_pre_hook(record((i, "interm_dense"))))
         handles.append(layer.out_dense.register_forward_pre_hook(record((i, "out_dense"))))
     config = model.config
-    # Packed rows without filler: the layers see real tokens only (an encoder; a decoder's pads,
-    # right of its tokens, attend causally to them and look like them).
+    # Packed rows, less their filler: the real tokens only (an encoder; a decoder's pads, right
+    # of its tokens, attend causally to them and look like them).
     saved = (config.unpad_inputs, config.attn_implementation, config.batch_invariant)
     config.unpad_inputs, config.attn_implementation, config.batch_invariant = True, "sdpa", False
     try:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL, tiny_checkpoint
 
-from bert_port import BertModel, SentenceEncoder, encode
+from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
 from bert_port.classifier import BertForSequenceClassification
 from bert_port.data import load_mr
 from bert_port.heads import (
@@ -30,7 +30,7 @@ from bert_port.heads import (
     BertLMHeadModel,
 )
 from bert_port.loader_arguments import LoaderArgumentError
-from bert_port.quantization import Int8Linear, QuantizationError, quantize
+from bert_port.quantization import Int8Linear, QuantizationError, calibrate, calibration_batches, quantize
 from bert_port.tokenization import TokenizerError
 from bert_port.tolerance import INT8_ACCURACY
 
@@ -159,6 +159,22 @@ def test_padded_path_computes_the_same_int8(minilm_path, int8, texts):
         padded = eager(**batch).last_hidden_state[real]
     torch.testing.assert_close(padded, packed, **TOL[torch.int8])
     assert F.cosine_similarity(padded, packed, dim=1).min() >= INT8_ACCURACY.embedding_cosine_min
+
+
+def test_calibration_sees_the_real_tokens_only(minilm_path):
+    """The first layer's calibrated QKV input is the embeddings of the calibration sentences'
+    real tokens: no padding and none of the filler rows the packed path adds (which once
+    moved every shift and smoothing divisor, and the int8 model's accuracy with them)."""
+    model = BertModel.from_pretrained(minilm_path).eval()
+    batches = calibration_batches(load_tokenizer(minilm_path), 128)
+    high, low, mean = calibrate(model, batches)[(0, "qkv")]
+    with torch.inference_mode():
+        rows = [model.embed(b["input_ids"], b.get("token_type_ids"))[b["attention_mask"].bool()] for b in batches]
+    real = torch.cat(rows)
+    assert real.shape[0] % 64, "the calibration sentences fill whole row steps: no filler would be added"
+    torch.testing.assert_close(high, real.amax(0), rtol=0, atol=0)
+    torch.testing.assert_close(low, real.amin(0), rtol=0, atol=0)
+    torch.testing.assert_close(mean, real.mean(0), **TOL[torch.float32])
 
 
 @pytest.fixture(scope="module")
