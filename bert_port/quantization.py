@@ -225,7 +225,7 @@ class Int8Linear(nn.Module):
         step = self._steps(rows)  # (N, 1)
         inverse = 1.0 / step
         if self.floor is not None:  # unsigned: (x - floor) / step in 0..127
-            q, zero_point = torch.addcmul(0.5 - self.floor * inverse, rows, inverse), 0
+            q, zero_point = (rows * inverse).add_(0.5 - self.floor * inverse), 0  # (faster than addcmul)
         else:  # signed: x / step in -63..63, stored around 64
             q, zero_point = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
         # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
