@@ -33,9 +33,9 @@ def sdpa_attention(
     return context.reshape(*context.shape[:2], -1).contiguous()
 
 
-# Sequences at least this long take the CPU flash kernel in fp32 inference: there it beats
-# two `bmm` and a softmax (README, "Speed").
-FP32_FLASH_MIN_LEN = 128
+# Sequences at least this long take the CPU flash kernel in inference: there it beats two `bmm`
+# and a softmax (README, "Speed").
+FLASH_MIN_LEN = 128
 
 
 def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float, dropout_p: float = 0.0) -> Tensor:
@@ -52,12 +52,12 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
       inference and in training. The CPU flash kernel is slower on sequences this short
       (L of a few tens), and fp32 scores lose nothing; its backward is two more `bmm`, so a
       fine-tuning step is faster than with the padded call below. In inference a sequence of
-      `FP32_FLASH_MIN_LEN` tokens or more takes the flash kernel, which wins there (it never
+      `FLASH_MIN_LEN` tokens or more takes the flash kernel, which wins there (it never
       materialises the (nh, L, L) scores). The choice depends on the sequence's own length,
       never on its neighbours, so a text gets the same kernel alone as in any batch.
-    - bf16/fp16 inference: the same fp32 path on an fp32 copy of `qkv` (one cast in, one out
-      per layer), faster than the flash kernel per sequence in bf16 and as accurate: the flash
-      kernel keeps its scores and softmax in fp32 too.
+    - bf16/fp16 inference: the same, the short sequences on an fp32 copy of `qkv` (one cast in
+      per layer; faster than the flash kernel in bf16 there, and as accurate: the flash kernel
+      keeps its scores and softmax in fp32 too), the long ones on the flash kernel in bf16/fp16.
     - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
       per sequence costs more than the padding saves (the backward of one small flash call
       per sequence made a fine-tuning step slower than transformers'; on CUDA, a kernel
@@ -69,24 +69,35 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     training = torch.is_grad_enabled() and qkv.requires_grad
     if qkv.is_cuda or (half and training):
         return _padded_sdpa_of_packed(qkv, packing, num_heads, scale, dropout_p)
-    if half:  # (autocast off: it would cast the fp32 copy back to bf16 at every matmul)
-        with torch.autocast(qkv.device.type, enabled=False):
-            return packed_attention(qkv.float(), packing, num_heads, scale, dropout_p).to(qkv.dtype)
-
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # float64 too: the math path
-        flash = not training and qkv.dtype == torch.float32 and q.shape[1] >= FP32_FLASH_MIN_LEN
-        return (_flash_attention if flash else _math_attention)(q, k, v, scale, dropout_p)
-
     N, three_h = qkv.shape
     head_size = three_h // (3 * num_heads)
-    q, k, v = qkv.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs), views
-    real = N - packing.filler
     seqlens = packing.seqlens[:-1] if packing.filler else packing.seqlens
-    per_sequence = zip(*(t[:, :real].split(seqlens, dim=1) for t in (q, k, v)))  # views, (nh, L, hs) each
-    contexts = [attend(*qkv_i).transpose(0, 1) for qkv_i in per_sequence]  # (L, nh, hs) each
+
+    def per_sequence(t: Tensor) -> list[tuple[Tensor, ...]]:  # views (nh, L, hs) of q, k and v
+        q, k, v = t.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs)
+        return list(zip(*(x[:, : N - packing.filler].split(seqlens, dim=1) for x in (q, k, v))))
+
+    # torch 2.13's CPU flash kernel in bf16/fp16 fails under ATEN_CPU_CAPABILITY=default on a CPU
+    # with AMX ("pack_vnni2 is only supported when avx512 is supported"): the math path there.
+    flash_ok = not training and (not half or torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    flash = [flash_ok and L >= FLASH_MIN_LEN for L in seqlens]
+    native = per_sequence(qkv)
+    wide = per_sequence(qkv.float()) if half and not all(flash) else native  # float64 stays float64
+    with torch.autocast(qkv.device.type, enabled=False):  # (autocast would cast the fp32 copy back)
+        contexts = [
+            (
+                _flash_attention(*native[i], scale, dropout_p)
+                if flash[i]
+                else _math_attention(*wide[i], scale, dropout_p)
+            )
+            for i in range(len(seqlens))
+        ]  # (nh, L, hs) each
+    contexts = [c.transpose(0, 1) for c in contexts]  # (L, nh, hs) each
     if packing.filler:
         contexts.append(qkv.new_zeros(packing.filler, num_heads, head_size))
-    return torch.cat(contexts).view(N, three_h // 3)  # one copy, straight into the (N, H) rows
+    # One copy straight into the (N, H) rows, and in bf16/fp16 the cast back with it (autograd takes no out=).
+    context = torch.cat(contexts) if training else torch.cat(contexts, out=qkv.new_empty(N, num_heads, head_size))
+    return context.view(N, three_h // 3)
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float) -> Tensor:
