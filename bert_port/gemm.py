@@ -1,5 +1,5 @@
-"""The dense layers of the packed path in inference: oneDNN GEMMs whose result for a row does
-not depend on how many rows the batch has.
+"""The dense layers of the packed path in inference: oneDNN GEMMs on prepacked weights whose
+result for a row does not depend on how many rows the batch has (`batch_invariant`).
 
 Batch invariance (`packing.py`) needs a GEMM that gives a row the same bits for every row
 count M. torch's own CPU kernels do not on every CPU. Measured on a 2-core Xeon with
@@ -11,10 +11,11 @@ AVX-512 and AMX (README, "Same text, same bits"):
   gives the same bits for every M >= 2, at 1 and 2 threads, and runs at least as fast.
 - bf16 goes to oneDNN either way, whose AMX kernels pick the reduction's blocking by M when
   K is large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). So bf16 GEMMs run
-  in blocks of exactly `BF16_ROW_BLOCK` rows, the last one padded with zero rows: every call
+  in blocks of exactly `BF16_ROW_BLOCK` rows (the packed rows are a multiple of it): every call
   has one shape, hence one kernel, whatever the batch (a row's place in the block does not
-  change its bits). That costs bf16 about a fifth of its speed on MR batches;
-  `batch_invariant=False` gives it back (README, "Speed").
+  change its bits). That costs bf16 a good part of its speed, most at 2 threads, where a
+  block of 128 rows is little work to split; `batch_invariant=False` runs all the rows in one
+  call and gives it back (README, "Speed").
 
 The prepacked weight is cached on the module, keyed on the weight's storage, version
 counter, dtype and the thread count, and dropped when a gradient is accumulated into the
