@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TOL
 
 from bert_port import BertConfig
 from bert_port.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
@@ -124,3 +125,25 @@ def test_bf16_autocast_computes_in_bf16_with_row_stable_bits(shape):
         assert got.dtype == want.dtype == torch.bfloat16
         torch.testing.assert_close(got, want)  # torch.testing's bf16 defaults
         assert _rows_differing(layer, x) == []
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "batch_invariant=False"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant):
+    """The FFN's GELU and the residual addition inside oneDNN's GEMM (`BertLayer` passes them),
+    and an activation oneDNN has no post-op for (after the GEMM): each within the dtype's
+    tolerance of `F.linear` and the op, and, batch-invariant, with a row's bits independent of
+    the row count."""
+    torch.manual_seed(0)
+    layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=invariant)).to(dtype)
+    x, residual = torch.randn(1024, 384).to(dtype), torch.randn(1024, 1536).to(dtype)
+    tol = TOL[dtype]
+    with torch.inference_mode():
+        linear = F.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x, activation=F.gelu), F.gelu(linear), **tol)
+        torch.testing.assert_close(layer(x, residual=residual), linear + residual, **tol)
+        torch.testing.assert_close(layer(x, activation=torch.tanh), torch.tanh(linear), **tol)
+        assert not torch.equal(layer(x, residual=residual), layer(x))  # the residual is not dropped
+    if invariant:
+        assert _rows_differing(lambda t: layer(t, activation=F.gelu), x) == []
+        assert _rows_differing(lambda t: layer(t, residual=residual[: t.shape[0]]), x) == []
