@@ -79,7 +79,11 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
 
     # torch 2.13's CPU flash kernel in bf16/fp16 fails under ATEN_CPU_CAPABILITY=default on a CPU
     # with AMX ("pack_vnni2 is only supported when avx512 is supported"): the math path there.
-    flash_ok = not training and (not half or torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    flash_ok = (
+        not training
+        and qkv.dtype != torch.float64
+        and (not half or torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    )
     flash = [flash_ok and L >= FLASH_MIN_LEN for L in seqlens]
     native = per_sequence(qkv)
     wide = per_sequence(qkv.float()) if half and not all(flash) else native  # float64 stays float64

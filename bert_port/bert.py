@@ -230,7 +230,7 @@ class BertLayer(nn.Module):
     ) -> Tensor:
         """Project the sublayer `output`, drop out, add the residual `input`, normalise (post-LN;
         a pre-LN layer passes `ln_layer` None: it normalised the sublayer's input instead)."""
-        if dropout.training and dropout.p > 0:
+        if not isinstance(dropout, nn.Dropout) or (dropout.training and dropout.p > 0):  # (a module put in: called)
             return _norm(ln_layer, dropout(dense_layer(output)) + input)
         return _norm(ln_layer, _dense(dense_layer, output, residual=input))  # the addition in the GEMM's epilogue
 

@@ -158,6 +158,8 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
     stacked = isinstance(layers[0], nn.Module)
     sources = tuple(t for m in layers for t in (m.weight, m.bias)) if stacked else layers
     dtype = row_stable_dtype(x, sources[0])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*sources, residual)):
+        dtype = None  # autograd (a trainable bias alone, BitFit, or key and value): F.linear, which records it
     fusable = activation is None or activation in POST_OPS
     if residual is not None:  # (autocast's fp32 residual stays an addition after the GEMM, as F.linear + add)
         fusable = fusable and activation is None and residual.dtype == dtype

@@ -12,8 +12,10 @@ sequence the same attention call whatever its neighbours, and every other op of 
 row by row; what is left is the matrix multiply, whose kernels (MKL, oneDNN) pick their
 blocking by the number of rows M and give a row the same bits for every M from some size on
 (M >= 4 for fp32 on AVX2, M >= 16 on AVX-512). So a packed batch of fewer than `MIN_GEMM_ROWS`
-rows gets filler rows, a sequence of its own that attends only to itself and is dropped by
-`pad`, and the small GEMMs outside the layers (pooler, heads) go through `linear_rows`.
+rows gets filler rows, a sequence of their own that gets no attention (a zero context) and is
+dropped by `pad`, and the small GEMMs outside the layers (pooler, heads) go through
+`linear_rows`. The filler also makes the rows a multiple of the GEMMs' row step
+(`gemm.row_multiple`).
 """
 
 from __future__ import annotations

@@ -237,12 +237,12 @@ class Int8Linear(nn.Module):
         out = torch.addcmul(self.bias, acc, step)  # (out=acc, in place, was measured slower)
         if self.float_inputs:
             out.addmm_(kept, self.float_weight)  # the outlier channels, in float32
-        if residual is not None:
-            out += residual.reshape(out.shape)
         if activation is F.gelu:
             torch._C._nn.gelu_(out)
         elif activation is not None:
             out = activation(out)
+        if residual is not None:
+            out += residual.reshape(out.shape)
         return out.view(*x.shape[:-1], self.out_features)
 
     def _steps(self, rows: Tensor) -> Tensor:

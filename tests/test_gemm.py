@@ -147,3 +147,32 @@ def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant):
     if invariant:
         assert _rows_differing(lambda t: layer(t, activation=F.gelu), x) == []
         assert _rows_differing(lambda t: layer(t, residual=residual[: t.shape[0]]), x) == []
+
+
+@pytest.mark.parametrize("trainable", ["bias", "key and value", "residual"])
+def test_a_trainable_bias_key_value_or_residual_gets_its_gradient(trainable):
+    """With the input and the (first) weight frozen, a tensor that still needs a gradient (a
+    bias alone, as BitFit trains; the stacked QKV's key and value; the residual) takes the
+    autograd path: the packed oneDNN copies are detached and would drop its gradient."""
+    torch.manual_seed(0)
+    linears = tuple(torch.nn.Linear(16, 16) for _ in range(3))
+    for m in linears:
+        m.requires_grad_(False)
+    x = torch.randn(20, 16)
+    residual = torch.randn(20, 16, requires_grad=trainable == "residual")
+    if trainable == "bias":
+        linears[0].bias.requires_grad_(True)
+        out = row_stable_linear(x, linears[0].weight, linears[0].bias, linears[0], residual=residual)
+    elif trainable == "key and value":
+        for m in linears[1:]:
+            m.weight.requires_grad_(True)
+        out = fused_row_stable_linear(x, linears, torch.nn.Module())
+    else:
+        out = row_stable_linear(x, linears[0].weight, linears[0].bias, linears[0], residual=residual)
+    out.square().sum().backward()
+    grads = {
+        "bias": [linears[0].bias.grad],
+        "key and value": [m.weight.grad for m in linears[1:]],
+        "residual": [residual.grad],
+    }[trainable]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)

@@ -98,7 +98,7 @@ def test_the_layer_body_is_what_runs(tiny_config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype, monkeypatch):
     """On the CPU, attention runs on each sequence's real tokens: in fp32 (two bmm) with or
-    without autograd, in bf16/fp16 (the same on an fp32 copy) in inference; bf16/fp16 training runs
+    without autograd, in bf16/fp16 (the same on an fp32 copy below 128 tokens) in inference; bf16/fp16 training runs
     one padded SDPA call over the packed rows. All attend within each sequence only, holes
     in the mask included, and give the padded call's values and gradients."""
     from bert_port import attention
@@ -340,3 +340,17 @@ def test_varlen_attention_matches_sdpa_on_cuda(tiny_config):
         actual = varlen(**batch).last_hidden_state.float()
         expected = sdpa(**batch).last_hidden_state.float()
     torch.testing.assert_close(actual[real], expected[real], **TOL[torch.bfloat16])
+
+
+def test_a_dropout_module_a_user_put_in_is_called(tiny_config):
+    """`add_norm` fuses the residual into the GEMM only for an `nn.Dropout` that drops nothing;
+    any other module in a dropout's place (here `nn.Identity`, in train mode) is called as
+    before, and the layer computes what it computes in eval mode."""
+    config = BertConfig.from_dict(tiny_config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    layer = BertLayer(config)
+    layer.attention_dropout, layer.out_dropout = torch.nn.Identity(), torch.nn.Identity()
+    x = torch.randn(2, 5, tiny_config["hidden_size"])
+    with torch.no_grad():
+        trained = layer.train()(x)
+        evaluated = layer.eval()(x)
+    torch.testing.assert_close(trained, evaluated, **TOL[torch.float32])

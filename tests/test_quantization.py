@@ -161,6 +161,18 @@ def test_padded_path_computes_the_same_int8(minilm_path, int8, texts):
     assert F.cosine_similarity(padded, packed, dim=1).min() >= INT8_ACCURACY.embedding_cosine_min
 
 
+def test_int8_epilogue_is_the_activation_then_the_residual():
+    """`Int8Linear(x, activation, residual)` is `activation(linear(x)) + residual`, the order
+    of `gemm.epilogue`, for GELU (applied in place) and any other activation."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(24, 16), torch.randn(24))
+    x, residual = torch.randn(10, 16), torch.randn(10, 24)
+    with torch.inference_mode():
+        plain = layer(x)
+        for activation in (F.gelu, torch.tanh):
+            torch.testing.assert_close(layer(x, activation=activation, residual=residual), activation(plain) + residual)
+
+
 def test_calibration_sees_the_real_tokens_only(minilm_path):
     """The first layer's calibrated QKV input is the embeddings of the calibration sentences'
     real tokens: no padding and none of the filler rows the packed path adds (which once
