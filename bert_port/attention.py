@@ -72,36 +72,38 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     N, three_h = qkv.shape
     head_size = three_h // (3 * num_heads)
     seqlens = packing.seqlens[:-1] if packing.filler else packing.seqlens
-
-    def per_sequence(t: Tensor) -> list[tuple[Tensor, ...]]:  # views (nh, L, hs) of q, k and v
-        q, k, v = t.view(N, 3, num_heads, head_size).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs)
-        return list(zip(*(x[:, : N - packing.filler].split(seqlens, dim=1) for x in (q, k, v))))
-
-    # torch 2.13's CPU flash kernel in bf16/fp16 fails under ATEN_CPU_CAPABILITY=default on a CPU
-    # with AMX ("pack_vnni2 is only supported when avx512 is supported"): the math path there.
-    flash_ok = (
-        not training
-        and qkv.dtype != torch.float64
-        and (not half or torch.backends.cpu.get_cpu_capability() != "DEFAULT")
-    )
-    flash = [flash_ok and L >= FLASH_MIN_LEN for L in seqlens]
-    native = per_sequence(qkv)
-    wide = per_sequence(qkv.float()) if half and not all(flash) else native  # float64 stays float64
+    flash_runs = _flash_runs(qkv, training)
+    flash = [flash_runs and L >= FLASH_MIN_LEN for L in seqlens]
+    native = _per_sequence(qkv, seqlens, num_heads)
+    wide = _per_sequence(qkv.float(), seqlens, num_heads) if half and not all(flash) else native  # fp64 stays
     with torch.autocast(qkv.device.type, enabled=False):  # (autocast would cast the fp32 copy back)
         contexts = [
-            (
-                _flash_attention(*native[i], scale, dropout_p)
-                if flash[i]
-                else _math_attention(*wide[i], scale, dropout_p)
-            )
-            for i in range(len(seqlens))
-        ]  # (nh, L, hs) each
-    contexts = [c.transpose(0, 1) for c in contexts]  # (L, nh, hs) each
+            (_flash_attention(*n, scale, dropout_p) if f else _math_attention(*w, scale, dropout_p)).transpose(0, 1)
+            for f, n, w in zip(flash, native, wide)
+        ]  # (L, nh, hs) each
     if packing.filler:
         contexts.append(qkv.new_zeros(packing.filler, num_heads, head_size))
     # One copy straight into the (N, H) rows, and in bf16/fp16 the cast back with it (autograd takes no out=).
-    context = torch.cat(contexts) if training else torch.cat(contexts, out=qkv.new_empty(N, num_heads, head_size))
-    return context.view(N, three_h // 3)
+    out = None if training else qkv.new_empty(N, num_heads, head_size)
+    return torch.cat(contexts, out=out).view(N, three_h // 3)
+
+
+def _per_sequence(qkv: Tensor, seqlens: tuple[int, ...], num_heads: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Views (nh, L, hs) of each sequence's query, key and value in the fused (N, 3H) rows
+    (filler rows, after the sequences, left out)."""
+    N = qkv.shape[0]
+    q, k, v = qkv.view(N, 3, num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hs)
+    return list(zip(*(t[:, : sum(seqlens)].split(seqlens, dim=1) for t in (q, k, v))))
+
+
+def _flash_runs(qkv: Tensor, training: bool) -> bool:
+    """Whether the CPU flash kernel may take the long sequences of `qkv`: in inference, not in
+    float64 (the math path is its reference), and in bf16/fp16 not under ATEN_CPU_CAPABILITY=
+    default, where torch 2.13's kernel fails on a CPU with AMX ("pack_vnni2 is only supported
+    when avx512 is supported")."""
+    half = qkv.dtype in (torch.float16, torch.bfloat16)
+    generic = torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    return not training and qkv.dtype != torch.float64 and not (half and generic)
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float) -> Tensor:

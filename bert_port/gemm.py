@@ -184,8 +184,8 @@ def _onednn_linear(
     a multiple of `block` or `FP32_ROW_STEP` by zero rows (none on the packed path, whose rows
     are a multiple already), which are dropped. `post_op` is an activation of `POST_OPS` or
     ("none", ""); `residual` (N, M) is added in the epilogue instead."""
-    n = x.shape[0]
-    rows = -(-n // (block or FP32_ROW_STEP)) * (block or FP32_ROW_STEP)
+    n, step = x.shape[0], block or FP32_ROW_STEP
+    rows = -(-n // step) * step
     if rows != n:
         x = F.pad(x, (0, 0, 0, rows - n))
         residual = None if residual is None else F.pad(residual, (0, 0, 0, rows - n))
