@@ -66,6 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import native
+
 QUANTIZATIONS = ("int8",)
 ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
 WEIGHT_LEVELS = 127  # symmetric int8
@@ -215,35 +217,69 @@ class Int8Linear(nn.Module):
         return INT8_ROW_STEP
 
     def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
-        """`epilogue(linear(x), activation, residual)`; the residual and the GELU act in place on
-        the dequantized output (one allocation fewer each)."""
+        """`epilogue(linear(x), activation, residual)`, in place on the dequantized output. Without
+        an activation the residual is added with the dequantization, before the float32 outlier
+        channels (one pass fewer; the sum differs only in rounding)."""
         self._check(x)
         rows = x.reshape(-1, self.in_features)  # (N, K)
-        rows, kept = rows[:, : self.in_features - self.float_inputs], rows[:, self.in_features - self.float_inputs :]
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        q, step = self._quantize(rows[:, : self.in_features - self.float_inputs])  # (N, K - F) uint8, (N, 1)
+        zero_point = 0 if self.floor is not None else ACTIVATION_LEVELS // 2 + 1
+        acc = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
+        added = residual.reshape(acc.shape) if residual is not None and activation is None else None
+        out = self._dequantize(acc, step, added, rows[:, self.in_features - self.float_inputs :])
+        if activation is F.gelu:
+            torch._C._nn.gelu_(out)
+        elif activation is not None:
+            out = activation(out)
+        if residual is not None and added is None:
+            out += residual.reshape(out.shape)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _quantize(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The (N, K) float rows (unit stride) as uint8, and each row's step, (N, 1)."""
+        kernels = native.int8_rows()
+        if kernels is not None:
+            n, k = rows.shape
+            q, step = torch.empty(n, k, dtype=torch.uint8), torch.empty(n, 1)
+            kernels.quantize_rows(
+                rows.data_ptr(), n, k, rows.stride(0), native.address(self.input_scale),
+                native.address(self.input_offset), self.floor is not None, self.floor or 0.0, q.data_ptr(),
+                step.data_ptr(),
+            )  # fmt: skip
+            return q, step
         if self.input_scale is not None:
             rows = torch.addcmul(self.input_offset, rows, self.input_scale)
         step = self._steps(rows)  # (N, 1)
         inverse = 1.0 / step
         if self.floor is not None:  # unsigned: (x - floor) / step in 0..127
-            q, zero_point = (rows * inverse).add_(0.5 - self.floor * inverse), 0  # (faster than addcmul)
+            q = (rows * inverse).add_(0.5 - self.floor * inverse)  # (faster than addcmul)
         else:  # signed: x / step in -63..63, stored around 64
-            q, zero_point = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5), ACTIVATION_LEVELS // 2 + 1
+            q = (rows * inverse).add_(ACTIVATION_LEVELS // 2 + 1.5)
         # + 0.5 and truncation round half up; the values are 0..127, where int8 and uint8 share
         # their bits (and float -> int8 converts several times faster than float -> uint8).
-        q = q.to(torch.int8).view(torch.uint8)  # (N, K - F), contiguous
-        acc = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
-        )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
-        out = torch.addcmul(self.bias, acc, step)  # (out=acc, in place, was measured slower)
-        if self.float_inputs:
-            out.addmm_(kept, self.float_weight)  # the outlier channels, in float32
-        if activation is F.gelu:
-            torch._C._nn.gelu_(out)
-        elif activation is not None:
-            out = activation(out)
+        return q.to(torch.int8).view(torch.uint8), step
+
+    def _dequantize(self, acc: Tensor, step: Tensor, residual: Tensor | None, kept: Tensor) -> Tensor:
+        """In place: (N, M) products -> bias + products * step (+ residual) + the outlier channels'
+        float32 product, `kept` (N, F) x `float_weight` (F, M), summed channel by channel: a
+        float32 GEMM (addmm) would sum them in an order that changes with N."""
+        kernels = native.int8_rows()
+        if kernels is not None and (residual is None or residual.dtype == torch.float32):
+            residual = None if residual is None else residual.contiguous()
+            kernels.dequantize_rows(
+                acc.data_ptr(), *acc.shape, step.data_ptr(), self.bias.data_ptr(), native.address(residual),
+                kept.data_ptr(), kept.stride(0), self.float_weight.data_ptr(), self.float_inputs,
+            )  # fmt: skip
+            return acc
+        out = torch.addcmul(self.bias, acc, step, out=acc)
         if residual is not None:
-            out += residual.reshape(out.shape)
-        return out.view(*x.shape[:-1], self.out_features)
+            out += residual
+        for c in range(self.float_inputs):
+            out.addcmul_(kept[:, c : c + 1], self.float_weight[c])
+        return out
 
     def _steps(self, rows: Tensor) -> Tensor:
         """The quantization step of each of the (N, K) rows, from the row's own range: (N, 1)."""
@@ -262,6 +298,11 @@ class Int8Linear(nn.Module):
             raise QuantizationError(
                 f"an int8 model runs on the CPU with float32 activations, got {x.dtype} on {x.device}; load the "
                 "model without quantization= for CUDA, bf16 or fp16"
+            )
+        if self.bias.dtype != torch.float32 or self.bias.device.type != "cpu":  # e.g. after model.to(torch.float16)
+            raise QuantizationError(
+                f"an int8 layer's scales and bias must stay float32 on the CPU, got {self.bias.dtype} on "
+                f"{self.bias.device}; load the model again with quantization='int8' and do not convert it"
             )
 
     def extra_repr(self) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL, tiny_checkpoint
 
-from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
+from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer, native
 from bert_port.classifier import BertForSequenceClassification
 from bert_port.data import load_mr
 from bert_port.heads import (
@@ -131,8 +131,10 @@ def test_int8_tolerance_admits_ctranslate2_int8_and_the_port(minilm_path, int8, 
 
 @pytest.mark.slow
 def test_planted_per_batch_activation_scale_fails(minilm_path, reference, texts, monkeypatch):
-    """One step for every row of a batch (torch's dynamic quantization does this) instead of each row's own."""
+    """One step for every row of a batch (torch's dynamic quantization does this) instead of each row's own,
+    planted in the PyTorch path (the C kernels off)."""
     own = Int8Linear._steps
+    monkeypatch.setattr(native, "int8_rows", lambda: None)
     monkeypatch.setattr(Int8Linear, "_steps", lambda self, rows: own(self, rows).amax().expand(rows.shape[0], 1))
     planted = SentenceEncoder.from_pretrained(minilm_path, quantization="int8")
     with pytest.raises(AssertionError):
@@ -356,3 +358,16 @@ def test_predict_refuses_int8_with_bf16_or_off_the_cpu(tmp_path, tiny_path, caps
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.csv").exists()
+
+
+@pytest.mark.slow
+def test_int8_sentence_does_not_depend_on_its_batch(int8, texts):
+    """Rows quantized by their own range, outlier channels summed in a fixed order: a sentence's
+    int8 hidden states are the same bits alone as in a batch of 40 others."""
+    batch = encode(int8.tokenizer, texts[:40])
+    with torch.inference_mode():
+        together = int8.model(**batch).last_hidden_state
+        for i in (0, 17, 39):
+            alone = int8.model(**encode(int8.tokenizer, texts[i : i + 1])).last_hidden_state[0]
+            n = int(batch["attention_mask"][i].sum())
+            assert torch.equal(alone[:n], together[i, :n]), i

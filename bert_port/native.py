@@ -1,0 +1,149 @@
+"""Small C kernels (`bert_port/csrc/`), compiled on first use with the system's C compiler and
+called through ctypes; `int8_rows()` is the one there is, the per-row quantize and dequantize
+around int8 matmuls (`quantization.Int8Linear`).
+
+Why not torch.utils.cpp_extension: it builds a Python extension against torch's C++ headers,
+which takes tens of seconds and needs ninja, for two plain loops over float rows that need
+neither. Here one `cc` call takes under a second.
+
+Each build is cached under `$BERT_PORT_CACHE` (default `~/.cache/bert_port`), in `native/`,
+named by a hash of the source, the compiler, its flags and this CPU's flags (`-march=native`
+code runs only where it was built), and by a hash of its own bytes, checked before loading. A build is written to a temporary file and renamed into
+place, so that a crash or a second process building at the same time never leaves a partial
+library behind. Anything that goes wrong (no compiler, a failed build, a library that does not
+load) is warned about once, and the callers fall back to PyTorch ops, which compute the same
+scheme. `BERT_PORT_NATIVE=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+# No fused multiply-add (the PyTorch fallback rounds each product); OpenMP when torch's own
+# runtime is OpenMP, so that the kernels share its threads and torch.set_num_threads.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+Pointer, Int = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {
+    "int8_rows": {
+        "quantize_rows": [Pointer, Int, Int, Int, Pointer, Pointer, ctypes.c_int, ctypes.c_float, Pointer, Pointer],
+        "dequantize_rows": [Pointer, Int, Int, Pointer, Pointer, Pointer, Pointer, Int, Pointer, Int],
+    }
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("BERT_PORT_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BERT_PORT_CACHE") or Path.home() / ".cache" / "bert_port"
+    return Path(root) / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler: `$CC`, else `cc` or `gcc` on the PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _flags() -> tuple[str, ...]:
+    return CFLAGS + (("-fopenmp",) if torch._C.has_openmp else ())
+
+
+def _cpu_id() -> str:
+    """This CPU's model and flags (what -march=native compiles for), as /proc/cpuinfo has them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return sys.platform
+    wanted = ("model name", "flags")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _build(name: str, cc: str) -> Path:
+    """The cached library of `csrc/{name}.c` for this source, compiler, flags and CPU, built if
+    absent. Its file name ends in its own content's hash: a damaged file (which `dlopen` may
+    crash on rather than refuse) is found and replaced."""
+    source = SOURCES / f"{name}.c"
+    flags = _flags()
+    key = hashlib.sha256("\0".join((source.read_text(), cc, *flags, _cpu_id())).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    for cached in folder.glob(f"{name}-{key}-*.so"):
+        if cached.stem.rsplit("-", 1)[1] == _digest(cached):
+            return cached
+        cached.unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, str(source), "-o", partial], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+        target = folder / f"{name}-{key}-{_digest(Path(partial))}.so"
+        os.replace(partial, target)  # atomic: readers see no library or a whole one
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    logger.info("built %s", target)
+    return target
+
+
+def _load(name: str, path: Path) -> ctypes.CDLL:
+    torch.get_num_threads()  # torch (and its OpenMP runtime) loaded first: the library links to that one
+    library = ctypes.CDLL(str(path))
+    for function, argtypes in SIGNATURES[name].items():
+        getattr(library, function).argtypes = argtypes
+    return library
+
+
+@functools.cache
+def kernels(name: str) -> ctypes.CDLL | None:
+    """The loaded library of `csrc/{name}.c`, built on first use; None (warned once) when it cannot be had."""
+    if not enabled():
+        return None
+    cc = compiler()
+    if cc is None:
+        warnings.warn(
+            f"bert_port: no C compiler (cc, gcc or $CC) for its {name} kernels; running the slower PyTorch "
+            "equivalent. Install gcc, or set BERT_PORT_NATIVE=0 to silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    try:
+        return _load(name, _build(name, cc))
+    except (OSError, subprocess.SubprocessError) as exc:
+        warnings.warn(
+            f"bert_port: could not build its {name} kernels ({exc}); running the slower PyTorch equivalent. "
+            "Set BERT_PORT_NATIVE=0 to silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def int8_rows() -> ctypes.CDLL | None:
+    """`quantize_rows` and `dequantize_rows` (csrc/int8_rows.c), or None."""
+    return kernels("int8_rows")
+
+
+def address(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument (NULL for None)."""
+    return None if tensor is None else tensor.data_ptr()
