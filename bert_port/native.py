@@ -41,7 +41,7 @@ Pointer, Int = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "int8_rows": {
         "quantize_rows": [Pointer, Int, Int, Int, Pointer, Pointer, ctypes.c_int, ctypes.c_float, Pointer, Pointer],
-        "dequantize_rows": [Pointer, Int, Int, Pointer, Pointer, Pointer, Pointer, Int, Pointer, Int],
+        "dequantize_rows": [Pointer, Int, Int, Pointer, Pointer, Pointer, Int, Pointer, Int, Pointer],
     }
 }
 

@@ -217,9 +217,8 @@ class Int8Linear(nn.Module):
         return INT8_ROW_STEP
 
     def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
-        """`epilogue(linear(x), activation, residual)`, in place on the dequantized output. Without
-        an activation the residual is added with the dequantization, before the float32 outlier
-        channels (one pass fewer; the sum differs only in rounding)."""
+        """`epilogue(linear(x), activation, residual)`, in place on the dequantized output (without
+        an activation, the residual is added within the dequantization)."""
         self._check(x)
         rows = x.reshape(-1, self.in_features)  # (N, K)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -228,13 +227,12 @@ class Int8Linear(nn.Module):
         acc = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
         )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
-        added = residual.reshape(acc.shape) if residual is not None and activation is None else None
-        out = self._dequantize(acc, step, added, rows[:, self.in_features - self.float_inputs :])
-        if activation is F.gelu:
-            torch._C._nn.gelu_(out)
-        elif activation is not None:
-            out = activation(out)
-        if residual is not None and added is None:
+        kept = rows[:, self.in_features - self.float_inputs :]  # (N, F): the outlier channels, float32
+        if activation is None:
+            return self._dequantize(acc, step, kept, residual).view(*x.shape[:-1], self.out_features)
+        out = self._dequantize(acc, step, kept, None)
+        out = torch._C._nn.gelu_(out) if activation is F.gelu else activation(out)
+        if residual is not None:
             out += residual.reshape(out.shape)
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -262,24 +260,23 @@ class Int8Linear(nn.Module):
         # their bits (and float -> int8 converts several times faster than float -> uint8).
         return q.to(torch.int8).view(torch.uint8), step
 
-    def _dequantize(self, acc: Tensor, step: Tensor, residual: Tensor | None, kept: Tensor) -> Tensor:
-        """In place: (N, M) products -> bias + products * step (+ residual) + the outlier channels'
-        float32 product, `kept` (N, F) x `float_weight` (F, M), summed channel by channel: a
-        float32 GEMM (addmm) would sum them in an order that changes with N."""
+    def _dequantize(self, acc: Tensor, step: Tensor, kept: Tensor, residual: Tensor | None) -> Tensor:
+        """In place on the (N, M) products, in this order: bias + products * step; + the outlier
+        channels' float32 product, `kept` (N, F) x `float_weight` (F, M), summed channel by channel
+        (a float32 GEMM, addmm, would sum them in an order that changes with N); + `residual`."""
+        residual = None if residual is None else residual.reshape(acc.shape)
         kernels = native.int8_rows()
         if kernels is not None and (residual is None or residual.dtype == torch.float32):
             residual = None if residual is None else residual.contiguous()
             kernels.dequantize_rows(
-                acc.data_ptr(), *acc.shape, step.data_ptr(), self.bias.data_ptr(), native.address(residual),
-                kept.data_ptr(), kept.stride(0), self.float_weight.data_ptr(), self.float_inputs,
+                acc.data_ptr(), *acc.shape, step.data_ptr(), self.bias.data_ptr(), kept.data_ptr(), kept.stride(0),
+                self.float_weight.data_ptr(), self.float_inputs, native.address(residual),
             )  # fmt: skip
             return acc
         out = torch.addcmul(self.bias, acc, step, out=acc)
-        if residual is not None:
-            out += residual
         for c in range(self.float_inputs):
             out.addcmul_(kept[:, c : c + 1], self.float_weight[c])
-        return out
+        return out if residual is None else out.add_(residual)
 
     def _steps(self, rows: Tensor) -> Tensor:
         """The quantization step of each of the (N, K) rows, from the row's own range: (N, 1)."""

@@ -57,28 +57,28 @@ void quantize_rows(const float *x, int64_t n, int64_t k, int64_t ld, const float
   }
 }
 
-/* In place, row i of the (n, m) products: acc = bias + acc * steps[i], + residual (n, m) if given,
- * + the float32 outlier channels if f > 0: sum over c < f of extra[i * ld + c] * extra_weight[c * m + j],
- * in that order (a fixed order per row, where a float32 GEMM's would change with the row count). */
-void dequantize_rows(float *acc, int64_t n, int64_t m, const float *steps, const float *bias, const float *residual,
-                     const float *extra, int64_t ld, const float *extra_weight, int64_t f) {
+/* In place, row i of the (n, m) products, in this order: acc = bias + acc * steps[i]; + the float32
+ * outlier channels if f > 0, extra[i * ld + c] * extra_weight[c * m + j] for c = 0, 1, ..., f - 1 (a
+ * fixed order per row, where a float32 GEMM's changes with the row count); + residual (n, m) if given.
+ * (GELU stays with PyTorch: its vectorized erf, on SLEEF's exp, ran faster than a portable one here.) */
+void dequantize_rows(float *acc, int64_t n, int64_t m, const float *steps, const float *bias, const float *extra,
+                     int64_t ld, const float *extra_weight, int64_t f, const float *residual) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; i++) {
     float *row = acc + i * m;
     const float step = steps[i];
-    if (residual) {
-      const float *res = residual + i * m;
 #pragma omp simd
-      for (int64_t j = 0; j < m; j++) row[j] = (bias[j] + row[j] * step) + res[j];
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < m; j++) row[j] = bias[j] + row[j] * step;
-    }
+    for (int64_t j = 0; j < m; j++) row[j] = bias[j] + row[j] * step;
     for (int64_t c = 0; c < f; c++) {
       const float x = extra[i * ld + c];
       const float *w = extra_weight + c * m;
 #pragma omp simd
       for (int64_t j = 0; j < m; j++) row[j] += x * w[j];
+    }
+    if (residual) {
+      const float *res = residual + i * m;
+#pragma omp simd
+      for (int64_t j = 0; j < m; j++) row[j] += res[j];
     }
   }
 }
