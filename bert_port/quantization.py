@@ -41,6 +41,12 @@ Why these choices (the measurements are in the README's "int8" sections):
   oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
   (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
   which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
+- The glue in C (`csrc/int8_rows.c`, built and loaded by `native`): quantizing a row (its range,
+  then its int8 values) and dequantizing one (step, bias, outlier channels, residual) are each
+  one pass over the row while it sits in L1. As PyTorch ops they are 3-5 passes over the whole
+  (N, K) or (N, M) tensor each, which took twice the int8 GEMMs' own time. Without a C compiler
+  the same scheme runs as those PyTorch ops (`BERT_PORT_NATIVE=0` chooses them); the two agree
+  but where a value sits on a rounding boundary (tests/test_native.py).
 - 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
   u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
   can, and there full 8-bit activations were measured far off the exact product. One scheme

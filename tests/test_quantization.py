@@ -371,3 +371,11 @@ def test_int8_sentence_does_not_depend_on_its_batch(int8, texts):
             alone = int8.model(**encode(int8.tokenizer, texts[i : i + 1])).last_hidden_state[0]
             n = int(batch["attention_mask"][i].sum())
             assert torch.equal(alone[:n], together[i, :n]), i
+
+
+def test_int8_layer_converted_to_another_dtype_is_refused():
+    """Its scales and bias made float64 (`.double()`) while the input stays float32: refused, not
+    read by the C kernels as float32."""
+    layer = Int8Linear(torch.randn(8, 16), torch.randn(8)).double()
+    with pytest.raises(QuantizationError, match="must stay float32 on the CPU"), torch.inference_mode():
+        layer(torch.randn(3, 16))
