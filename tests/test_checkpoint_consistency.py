@@ -251,6 +251,7 @@ def test_convert_repair_finishes_a_killed_save_and_needs_dir_alone(tmp_path, mon
 _ST_CHILD = textwrap.dedent(
     r"""
     import json, os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
     from pathlib import Path
     import torch
     torch.set_num_threads(1)

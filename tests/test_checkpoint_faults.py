@@ -33,6 +33,7 @@ LAYOUTS = {"single": ("5GB", "5GB"), "sharded": ("20KB", "20KB"), "single-to-sha
 
 _CHILD = r"""
 import json, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
