@@ -22,6 +22,8 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,13 +37,27 @@ logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # No fused multiply-add (the PyTorch fallback rounds each product); OpenMP when torch's own
-# runtime is OpenMP, so that the kernels share its threads and torch.set_num_threads.
+# runtime is OpenMP. The library then links libgomp.so.1, which resolves to the copy torch
+# loaded (the pip wheels ship it under that name): one thread pool. Each call passes
+# torch.get_num_threads() as its thread count.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 Pointer, Int = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "int8_rows": {
-        "quantize_rows": [Pointer, Int, Int, Int, Pointer, Pointer, ctypes.c_int, ctypes.c_float, Pointer, Pointer],
-        "dequantize_rows": [Pointer, Int, Int, Pointer, Pointer, Pointer, Int, Pointer, Int, Pointer],
+        "quantize_rows": [
+            Pointer,
+            Int,
+            Int,
+            Int,
+            Pointer,
+            Pointer,
+            ctypes.c_int,
+            ctypes.c_float,
+            Pointer,
+            Pointer,
+            ctypes.c_int,
+        ],
+        "dequantize_rows": [Pointer, Int, Int, Pointer, Pointer, Pointer, Int, Pointer, Int, Pointer, ctypes.c_int],
     }
 }
 
@@ -55,9 +71,13 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def compiler() -> str | None:
-    """The C compiler: `$CC`, else `cc` or `gcc` on the PATH; None when there is none."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def compiler() -> list[str] | None:
+    """The C compiler's command: `$CC` (which may carry arguments, `ccache gcc`), else `cc` or
+    `gcc` on the PATH; None when there is none."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _flags() -> tuple[str, ...]:
@@ -69,22 +89,29 @@ def _cpu_id() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return sys.platform
-    wanted = ("model name", "flags")
+        return f"{sys.platform} {platform.machine()} {platform.processor()}"
+    wanted = ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features")  # x86; Arm
     return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+
+
+def _compiler_id(cc: list[str]) -> str:
+    """The compiler's own account of itself (`--version`): an upgrade builds again."""
+    done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+    return " ".join(cc) + "\n" + done.stdout
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _build(name: str, cc: str) -> Path:
+def _build(name: str, cc: list[str]) -> Path:
     """The cached library of `csrc/{name}.c` for this source, compiler, flags and CPU, built if
     absent. Its file name ends in its own content's hash: a damaged file (which `dlopen` may
     crash on rather than refuse) is found and replaced."""
     source = SOURCES / f"{name}.c"
     flags = _flags()
-    key = hashlib.sha256("\0".join((source.read_text(), cc, *flags, _cpu_id())).encode()).hexdigest()[:16]
+    identity = (source.read_text(), _compiler_id(cc), *flags, _cpu_id())
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
     folder = cache_dir()
     for cached in folder.glob(f"{name}-{key}-*.so"):
         if cached.stem.rsplit("-", 1)[1] == _digest(cached):
@@ -94,9 +121,10 @@ def _build(name: str, cc: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(source), "-o", partial], capture_output=True, text=True, timeout=120)
+        command = [*cc, *flags, "-x", "c", str(source), "-o", partial]  # -x c: C even where $CC is a C++ compiler
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise OSError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+            raise OSError(f"{' '.join(cc)} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         target = folder / f"{name}-{key}-{_digest(Path(partial))}.so"
         os.replace(partial, target)  # atomic: readers see no library or a whole one
     finally:
@@ -109,7 +137,10 @@ def _load(name: str, path: Path) -> ctypes.CDLL:
     torch.get_num_threads()  # torch (and its OpenMP runtime) loaded first: the library links to that one
     library = ctypes.CDLL(str(path))
     for function, argtypes in SIGNATURES[name].items():
-        getattr(library, function).argtypes = argtypes
+        try:
+            getattr(library, function).argtypes = argtypes
+        except AttributeError as exc:  # e.g. built by a C++ compiler, whose names are mangled
+            raise OSError(f"{path.name} has no function {function}: {exc}") from exc
     return library
 
 
@@ -129,7 +160,7 @@ def kernels(name: str) -> ctypes.CDLL | None:
         return None
     try:
         return _load(name, _build(name, cc))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a $CC shlex cannot split
         warnings.warn(
             f"bert_port: could not build its {name} kernels ({exc}); running the slower PyTorch equivalent. "
             "Set BERT_PORT_NATIVE=0 to silence this",

@@ -46,7 +46,8 @@ Why these choices (the measurements are in the README's "int8" sections):
   one pass over the row while it sits in L1. As PyTorch ops they are 3-5 passes over the whole
   (N, K) or (N, M) tensor each, which took twice the int8 GEMMs' own time. Without a C compiler
   the same scheme runs as those PyTorch ops (`BERT_PORT_NATIVE=0` chooses them); the two agree
-  but where a value sits on a rounding boundary (tests/test_native.py).
+  but where a value sits on a rounding boundary, and on both a NaN makes its row NaN
+  (tests/test_native.py).
 - 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
   u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
   can, and there full 8-bit activations were measured far off the exact product. One scheme
@@ -222,6 +223,7 @@ class Int8Linear(nn.Module):
         """Packed rows are best a multiple of `INT8_ROW_STEP` (`BertModel.encode` adds filler rows)."""
         return INT8_ROW_STEP
 
+    @torch.no_grad()  # inference only: with gradients on (no inference_mode), nothing is recorded
     def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
         """`epilogue(linear(x), activation, residual)`, in place on the dequantized output (without
         an activation, the residual is added within the dequantization)."""
@@ -251,7 +253,7 @@ class Int8Linear(nn.Module):
             kernels.quantize_rows(
                 rows.data_ptr(), n, k, rows.stride(0), native.address(self.input_scale),
                 native.address(self.input_offset), self.floor is not None, self.floor or 0.0, q.data_ptr(),
-                step.data_ptr(),
+                step.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
             return q, step
         if self.input_scale is not None:
@@ -276,7 +278,7 @@ class Int8Linear(nn.Module):
             residual = None if residual is None else residual.contiguous()
             kernels.dequantize_rows(
                 acc.data_ptr(), *acc.shape, step.data_ptr(), self.bias.data_ptr(), kept.data_ptr(), kept.stride(0),
-                self.float_weight.data_ptr(), self.float_inputs, native.address(residual),
+                self.float_weight.data_ptr(), self.float_inputs, native.address(residual), torch.get_num_threads(),
             )  # fmt: skip
             return acc
         out = torch.addcmul(self.bias, acc, step, out=acc)

@@ -6,6 +6,7 @@ on the PyTorch path with a warning, never a partial library in the cache."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import warnings
 
@@ -145,4 +146,51 @@ def test_no_compiler_warns_and_native_off_is_quiet(fresh_kernels, monkeypatch):
     monkeypatch.setenv("BERT_PORT_NATIVE", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert native.int8_rows() is None
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("C", marks=needs_kernels), "PyTorch"])
+def test_int8_runs_with_gradients_on_and_records_none(kernels, monkeypatch):
+    """Outside inference_mode, with an input that requires grad (an embedding's output does): the
+    same values as under inference_mode, and no autograd graph."""
+    if kernels == "PyTorch":
+        monkeypatch.setattr(native, "int8_rows", lambda: None)
+    for name, layer in layers().items():
+        x = inputs(name)
+        with torch.inference_mode():
+            expected = layer(x, None, torch.ones(x.shape[0], layer.out_features))
+        out = layer(x.clone().requires_grad_(), None, torch.ones(x.shape[0], layer.out_features, requires_grad=True))
+        assert not out.requires_grad, name
+        assert torch.equal(out, expected), name
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("C", marks=needs_kernels), "PyTorch"])
+def test_a_nan_in_a_row_makes_that_row_nan(kernels, monkeypatch):
+    """As float32 would: the NaN is not hidden behind a finite step (C's max skips NaN, and a NaN
+    converts to no integer), and the other rows are untouched."""
+    if kernels == "PyTorch":
+        monkeypatch.setattr(native, "int8_rows", lambda: None)
+    for name, layer in layers().items():
+        x = inputs(name)
+        with torch.inference_mode():
+            clean = layer(x)
+            x[3, 5] = float("nan")
+            out = layer(x)
+        assert out[3].isnan().all(), name
+        rest = torch.arange(x.shape[0]) != 3
+        assert torch.equal(out[rest], clean[rest]), name
+
+
+@needs_kernels
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_a_cxx_compiler_or_a_command_with_arguments_builds_c(fresh_kernels, monkeypatch):
+    """$CC may be a C++ compiler (whose mangled names ctypes would not find) or carry arguments."""
+    monkeypatch.setenv("CC", f"{shutil.which('g++')} -O2")
+    assert native.int8_rows() is not None
+
+
+@needs_kernels
+def test_a_library_without_its_functions_warns_and_runs_pytorch(fresh_kernels, monkeypatch):
+    monkeypatch.setitem(native.SIGNATURES, "int8_rows", {**native.SIGNATURES["int8_rows"], "missing_rows": []})
+    with pytest.warns(RuntimeWarning, match="has no function missing_rows"):
         assert native.int8_rows() is None

@@ -6,9 +6,9 @@
  * Built by bert_port/native.py (cc -O3 -march=native -ffp-contract=off -fopenmp) and called
  * through ctypes on contiguous float32 rows. No fused multiply-add: every product is
  * rounded before its sum, as in the PyTorch fallback (torch's own kernels may still fuse). The
- * rows are independent: a row's result never depends on the others, nor on the thread count.
- * OpenMP is the runtime torch already loaded (the same libgomp.so.1), so torch.set_num_threads
- * sets both. */
+ * rows are independent: a row's result never depends on the others, nor on the thread count,
+ * which the caller passes (torch.get_num_threads()). A NaN in a row makes the row's step NaN, so
+ * that the row's outputs are NaN, as on the PyTorch path. */
 #include <math.h>
 #include <stdint.h>
 
@@ -22,28 +22,36 @@
  * else signed rows, x' / step in -63..63 stored as 64 + that. Round half up: + 0.5, truncate.
  * Writes q (n, k) and steps (n,). */
 void quantize_rows(const float *x, int64_t n, int64_t k, int64_t ld, const float *scale, const float *offset,
-                   int has_floor, float floor, uint8_t *q, float *steps) {
-#pragma omp parallel for schedule(static)
+                   int has_floor, float floor, uint8_t *q, float *steps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; i++) {
     const float *row = x + i * ld;
     uint8_t *out = q + i * k;
     float hi = -INFINITY, lo = INFINITY;
+    int nan = 0;
     if (scale) {
-#pragma omp simd reduction(max : hi) reduction(min : lo)
+#pragma omp simd reduction(max : hi) reduction(min : lo) reduction(| : nan)
       for (int64_t j = 0; j < k; j++) {
         float v = offset[j] + row[j] * scale[j];
         hi = v > hi ? v : hi;
         lo = v < lo ? v : lo;
+        nan |= v != v;
       }
     } else {
-#pragma omp simd reduction(max : hi) reduction(min : lo)
+#pragma omp simd reduction(max : hi) reduction(min : lo) reduction(| : nan)
       for (int64_t j = 0; j < k; j++) {
         hi = row[j] > hi ? row[j] : hi;
         lo = row[j] < lo ? row[j] : lo;
+        nan |= row[j] != row[j];
       }
     }
     float step = has_floor ? (hi - floor) / UNSIGNED_LEVELS : fmaxf(hi, -lo) / SIGNED_LEVELS;
     step = step < TINY ? TINY : step;
+    if (nan) { /* a NaN converts to no integer: zeros, and a NaN step makes the row's outputs NaN */
+      for (int64_t j = 0; j < k; j++) out[j] = 0;
+      steps[i] = NAN;
+      continue;
+    }
     float inverse = 1.0f / step;
     float add = has_floor ? 0.5f - floor * inverse : ZERO_POINT + 0.5f;
     if (scale) {
@@ -62,8 +70,8 @@ void quantize_rows(const float *x, int64_t n, int64_t k, int64_t ld, const float
  * fixed order per row, where a float32 GEMM's changes with the row count); + residual (n, m) if given.
  * (GELU stays with PyTorch: its vectorized erf, on SLEEF's exp, ran faster than a portable one here.) */
 void dequantize_rows(float *acc, int64_t n, int64_t m, const float *steps, const float *bias, const float *extra,
-                     int64_t ld, const float *extra_weight, int64_t f, const float *residual) {
-#pragma omp parallel for schedule(static)
+                     int64_t ld, const float *extra_weight, int64_t f, const float *residual, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; i++) {
     float *row = acc + i * m;
     const float step = steps[i];
