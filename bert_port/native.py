@@ -118,6 +118,8 @@ def _build(name: str, cc: list[str]) -> Path:
             return cached
         cached.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
+    # Not checkpoint.atomic_write: the final name holds the content's hash, known only once written,
+    # and the model's read path (quantize when loading) must not import the checkpoint write side.
     fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}-", suffix=".so")
     os.close(fd)
     try:
@@ -134,7 +136,7 @@ def _build(name: str, cc: list[str]) -> Path:
 
 
 def _load(name: str, path: Path) -> ctypes.CDLL:
-    torch.get_num_threads()  # torch (and its OpenMP runtime) loaded first: the library links to that one
+    # torch, imported above, has loaded its OpenMP runtime already: the library links to that one.
     library = ctypes.CDLL(str(path))
     for function, argtypes in SIGNATURES[name].items():
         try:
@@ -150,20 +152,14 @@ def kernels(name: str) -> ctypes.CDLL | None:
     if not enabled():
         return None
     cc = compiler()
-    if cc is None:
-        warnings.warn(
-            f"bert_port: no C compiler (cc, gcc or $CC) for its {name} kernels; running the slower PyTorch "
-            "equivalent. Install gcc, or set BERT_PORT_NATIVE=0 to silence this",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
     try:
+        if cc is None:
+            raise OSError(f"no C compiler (cc, gcc or $CC) for its {name} kernels; install gcc")
         return _load(name, _build(name, cc))
     except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a $CC shlex cannot split
+        why = str(exc) if cc is None else f"could not build its {name} kernels ({exc})"
         warnings.warn(
-            f"bert_port: could not build its {name} kernels ({exc}); running the slower PyTorch equivalent. "
-            "Set BERT_PORT_NATIVE=0 to silence this",
+            f"bert_port: {why}; running the slower PyTorch equivalent. Set BERT_PORT_NATIVE=0 to silence this",
             RuntimeWarning,
             stacklevel=3,
         )
