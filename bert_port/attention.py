@@ -1,7 +1,8 @@
 """The attention functions `BertSelfAttention.forward` calls besides its own eager
 `attention`: SDPA on a padded batch (transformers' `sdpa_attention_forward`), attention
-on the real tokens of a packed batch, sequence by sequence (the default), and varlen
-FlashAttention on packed real tokens where the hardware has it.
+on the real tokens of a packed batch, sequence by sequence (the default; on the CPU in
+inference, a C kernel takes every short sequence in one call), and varlen FlashAttention
+on packed real tokens where the hardware has it.
 
 Shapes: B batch, T time, N real tokens, H hidden, nh heads, hs head size (H = nh * hs).
 """
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import native
 from .packing import Packing, pad, unpad
 
 
@@ -48,16 +50,23 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     the context in every layer. Which kernel, chosen by measuring each on MR batches (about
     half padding) with MiniLM on CPU (the timings are in the README's "Speed" section):
 
-    - fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
+    - fp32 and bf16 inference, where a C compiler is at hand: the sequences shorter than
+      `FLASH_MIN_LEN` all in one call of a C kernel (`csrc/attention.c`, through
+      `native.attention()`), which reads `qkv` in its own dtype, computes in fp32 and writes
+      the context in that dtype; one parallel region for the whole batch, where the calls below
+      make three small ones per sequence, and in bf16 no fp32 copy of `qkv` and no cast of
+      the context. The longer sequences take the flash kernel, as below.
+    - otherwise fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
       inference and in training. The CPU flash kernel is slower on sequences this short
       (L of a few tens), and fp32 scores lose nothing; its backward is two more `bmm`, so a
       fine-tuning step is faster than with the padded call below. In inference a sequence of
       `FLASH_MIN_LEN` tokens or more takes the flash kernel, which wins there (it never
       materialises the (nh, L, L) scores). The choice depends on the sequence's own length,
       never on its neighbours, so a text gets the same kernel alone as in any batch.
-    - bf16/fp16 inference: the same, the short sequences on an fp32 copy of `qkv` (one cast in
-      per layer; faster than the flash kernel in bf16 there, and as accurate: the flash kernel
-      keeps its scores and softmax in fp32 too), the long ones on the flash kernel in bf16/fp16.
+    - otherwise bf16/fp16 inference: the same, the short sequences on an fp32 copy of `qkv`
+      (one cast in per layer; faster than the flash kernel in bf16 there, and as accurate:
+      the flash kernel keeps its scores and softmax in fp32 too), the long ones on the flash
+      kernel in bf16/fp16.
     - bf16/fp16 training, and CUDA: one padded SDPA call over the packed rows, where a call
       per sequence costs more than the padding saves (the backward of one small flash call
       per sequence made a fine-tuning step slower than transformers'; on CUDA, a kernel
@@ -74,18 +83,60 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     seqlens = packing.seqlens[:-1] if packing.filler else packing.seqlens
     flash_runs = _flash_runs(qkv, training)
     flash = [flash_runs and L >= FLASH_MIN_LEN for L in seqlens]
-    native = _per_sequence(qkv, seqlens, num_heads)
-    wide = _per_sequence(qkv.float(), seqlens, num_heads) if half and not all(flash) else native  # fp64 stays
+    if _native_runs(qkv, training, dropout_p):
+        return _native_attention(qkv, packing, seqlens, flash, num_heads, scale)
+    native_views = _per_sequence(qkv, seqlens, num_heads)
+    wide = _per_sequence(qkv.float(), seqlens, num_heads) if half and not all(flash) else native_views  # fp64 stays
     with torch.autocast(qkv.device.type, enabled=False):  # (autocast would cast the fp32 copy back)
         contexts = [
             (_flash_attention(*n, scale, dropout_p) if f else _math_attention(*w, scale, dropout_p)).transpose(0, 1)
-            for f, n, w in zip(flash, native, wide)
+            for f, n, w in zip(flash, native_views, wide)
         ]  # (L, nh, hs) each
     if packing.filler:
         contexts.append(qkv.new_zeros(packing.filler, num_heads, head_size))
     # One copy straight into the (N, H) rows, and in bf16/fp16 the cast back with it (autograd takes no out=).
     out = None if training else qkv.new_empty(N, num_heads, head_size)
     return torch.cat(contexts, out=out).view(N, three_h // 3)
+
+
+def _native_runs(qkv: Tensor, training: bool, dropout_p: float) -> bool:
+    """Whether the C kernel takes the short sequences: inference without dropout, in fp32 or bf16
+    (what it reads and writes), outside torch.compile and torch.export (which cannot trace a
+    ctypes call), where it could be built."""
+    return (
+        not training
+        and not dropout_p
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and not torch.compiler.is_compiling()
+        and native.attention() is not None
+    )
+
+
+def _native_attention(
+    qkv: Tensor, packing: Packing, seqlens: tuple[int, ...], flash: list[bool], num_heads: int, scale: float
+) -> Tensor:
+    """`packed_attention` in inference with the C kernel: qkv (N, 3H) -> (N, H), the sequences
+    not marked `flash` in one call, the others through the flash kernel, the filler rows zero."""
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    N, three_h = qkv.shape
+    out = qkv.new_empty(N, three_h // 3)
+    out[sum(seqlens) :].zero_()
+    short = [(start, L) for start, L, f in zip(packing.starts, seqlens, flash) if not f]
+    if short:
+        starts, lens = torch.tensor(short, dtype=torch.int64).T.contiguous()
+        failed = native.attention().packed_attention(
+            qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), starts.data_ptr(), lens.data_ptr(),
+            len(short), num_heads, three_h // (3 * num_heads), scale, out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"attention: no memory for the scratch of {torch.get_num_threads()} threads")
+    with torch.autocast(qkv.device.type, enabled=False):
+        for start, L, f in zip(packing.starts, seqlens, flash):
+            if f:
+                ((q, k, v),) = _per_sequence(qkv[start : start + L], (L,), num_heads)
+                out[start : start + L] = _flash_attention(q, k, v, scale, 0.0).transpose(0, 1).reshape(L, -1)
+    return out
 
 
 def _per_sequence(qkv: Tensor, seqlens: tuple[int, ...], num_heads: int) -> list[tuple[Tensor, Tensor, Tensor]]:

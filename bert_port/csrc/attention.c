@@ -1,0 +1,198 @@
+/* Self-attention of packed sequences on the CPU (bert_port/attention.py, `packed_attention`):
+ * every sequence and every head of a batch in one call, one parallel region, where the PyTorch
+ * path makes three small calls per sequence (scores, softmax, weighted values) and, in bf16, a
+ * float32 copy of the whole (N, 3H) input and a cast of the output.
+ *
+ * Built by bert_port/native.py (cc -O3 -march=native -ffp-contract=off -fopenmp) and called
+ * through ctypes. Inputs are float32 or bf16, the sums and the softmax float32, as on the PyTorch
+ * path. One thread computes a (sequence, head) pair from start to end, in an order fixed by the
+ * sequence's length and the head size alone: its bits never depend on the other sequences of the
+ * batch, nor on the thread count. GCC vector extensions (16 floats) rather than intrinsics: the
+ * compiler maps them to AVX-512, AVX2 or SSE, whatever -march=native has. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W 16 /* floats per vector */
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Round to nearest even, as torch's float -> bf16 cast (c10::round_to_nearest_even). */
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if (f != f) return 0x7fc0;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n floats from element `at` of a float32 or bf16 array. */
+static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t n, int bf16) {
+  if (bf16) {
+    const uint16_t *x = (const uint16_t *)src + at;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(x[i]);
+  } else {
+    memcpy(dst, (const float *)src + at, n * sizeof(float));
+  }
+}
+
+static inline void store(void *base, int bf16, int64_t i, float x) {
+  if (bf16)
+    ((uint16_t *)base)[i] = float_to_bf16(x);
+  else
+    ((float *)base)[i] = x;
+}
+
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+/* exp(x) for x <= 0 (scores minus their row's maximum): Cephes' expf, a degree-7 polynomial on
+ * x - n ln 2 scaled by 2^n; within 2 ulp of exp. Below ln(FLT_MIN) it returns FLT_MIN rather
+ * than a subnormal or zero, a difference the softmax's sum of at least 1 cannot see. NaN stays NaN. */
+static inline vf vexp(vf x) {
+  const vf lowest = (vf){0} - 87.33654475f;
+  x = pick(x < lowest, lowest, x);
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = (vf){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)two_n;
+}
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Floats of one thread's scratch for sequences up to max_len tokens: q transposed (hs, Lp), k
+ * (Lr, hs), v (L, hp) and the scores transposed (Lr, Lp), each a multiple of W (aligned). */
+static int64_t scratch_floats(int64_t max_len, int64_t hs) {
+  const int64_t Lr = round_up(max_len, 4), Lp = round_up(max_len, W), hp = round_up(hs, W);
+  return hs * Lp + round_up(Lr * hs, W) + max_len * hp + Lr * Lp;
+}
+
+/* The scores transposed, key j by query i, W queries at a time against 4 keys (4 independent sums
+ * in flight): st[j][i] = scale * sum_d k[j][d] q[i][d], d in order. Queries lie along the vector
+ * lanes, so that the softmax over the keys needs no sum across lanes. */
+static void scores(const float *qt, const float *k, float *st, int64_t Lr, int64_t Lp, int64_t hs, float scale) {
+  for (int64_t j = 0; j < Lr; j += 4) {
+    const float *k0 = k + j * hs, *k1 = k0 + hs, *k2 = k1 + hs, *k3 = k2 + hs;
+    for (int64_t i = 0; i < Lp; i += W) {
+      vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+      for (int64_t d = 0; d < hs; d++) {
+        const vf q = *(const vf *)(qt + d * Lp + i);
+        a0 += k0[d] * q;
+        a1 += k1[d] * q;
+        a2 += k2[d] * q;
+        a3 += k3[d] * q;
+      }
+      *(vf *)(st + j * Lp + i) = a0 * scale;
+      *(vf *)(st + (j + 1) * Lp + i) = a1 * scale;
+      *(vf *)(st + (j + 2) * Lp + i) = a2 * scale;
+      *(vf *)(st + (j + 3) * Lp + i) = a3 * scale;
+    }
+  }
+}
+
+/* Softmax over the L keys of every query, W queries at a time, in place: the maximum, exp(score -
+ * maximum) and their sum, j in order, then a multiplication by 1 / sum. */
+static void softmax(float *st, int64_t L, int64_t Lp) {
+  for (int64_t i = 0; i < Lp; i += W) {
+    vf top = *(const vf *)(st + i);
+    for (int64_t j = 1; j < L; j++) {
+      const vf x = *(const vf *)(st + j * Lp + i);
+      top = pick(x > top, x, top);
+    }
+    vf sum = {0};
+    for (int64_t j = 0; j < L; j++) {
+      vf *x = (vf *)(st + j * Lp + i);
+      *x = vexp(*x - top);
+      sum += *x;
+    }
+    const vf inverse = 1.0f / sum;
+    for (int64_t j = 0; j < L; j++) *(vf *)(st + j * Lp + i) *= inverse;
+  }
+}
+
+/* Context rows i..i+3: out[i][c] = sum_j p[i][j] v[j][c], j in order, W channels at a time
+ * (p transposed in pt); rows from `rows` on are not written. */
+static void weighted_values(const float *pt, const float *v, int64_t L, int64_t Lp, int64_t hs, int64_t hp, int64_t i,
+                            int64_t rows, void *out, int bf16, int64_t ldo) {
+  for (int64_t c = 0; c < hp; c += W) {
+    vf a[4] = {{0}, {0}, {0}, {0}};
+    for (int64_t j = 0; j < L; j++) {
+      const vf x = *(const vf *)(v + j * hp + c);
+      const float *p = pt + j * Lp + i;
+      a[0] += p[0] * x;
+      a[1] += p[1] * x;
+      a[2] += p[2] * x;
+      a[3] += p[3] * x;
+    }
+    for (int64_t r = 0; r < 4 && i + r < rows; r++)
+      for (int64_t d = c; d < c + W && d < hs; d++) store(out, bf16, (i + r) * ldo + d, a[r][d - c]);
+  }
+}
+
+/* One head of one sequence: its L rows of qkv (row stride ld; q, k and v at 0, H and 2H, this head
+ * at h * hs) -> its L rows of out (row stride ldo, at h * hs). */
+static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
+                 int64_t ldo, float *scratch) {
+  const int64_t Lr = round_up(L, 4), Lp = round_up(L, W), hp = round_up(hs, W);
+  float *qt = scratch, *k = qt + hs * Lp, *v = k + round_up(Lr * hs, W), *st = v + L * hp;
+  for (int64_t i = 0; i < L; i++) {
+    float *row = v + i * hp; /* (the query row passes through v's row i on its way into qt) */
+    row_to_float(row, qkv, i * ld, hs, bf16);
+    for (int64_t d = 0; d < hs; d++) qt[d * Lp + i] = row[d];
+  }
+  for (int64_t d = 0; d < hs; d++)
+    for (int64_t i = L; i < Lp; i++) qt[d * Lp + i] = 0.0f;
+  for (int64_t j = 0; j < L; j++) row_to_float(k + j * hs, qkv, j * ld + H, hs, bf16);
+  memset(k + L * hs, 0, (Lr - L) * hs * sizeof(float));
+  for (int64_t j = 0; j < L; j++) {
+    row_to_float(v + j * hp, qkv, j * ld + 2 * H, hs, bf16);
+    for (int64_t c = hs; c < hp; c++) v[j * hp + c] = 0.0f;
+  }
+  scores(qt, k, st, Lr, Lp, hs, scale);
+  softmax(st, L, Lp);
+  for (int64_t i = 0; i < L; i += 4) weighted_values(st, v, L, Lp, hs, hp, i, L, out, bf16, ldo);
+}
+
+/* qkv (N, 3H) rows of nseq packed sequences, sequence t at rows starts[t] .. starts[t] + lens[t];
+ * float32 (bf16 = 0) or bf16 (bf16 = 1), row stride ld. Writes each sequence's context to the
+ * same rows of out (N, H), row stride ldo, in the same dtype; other rows are left alone.
+ * Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete). */
+int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *starts, const int64_t *lens, int64_t nseq,
+                     int64_t heads, int64_t hs, float scale, void *out, int64_t ldo, int threads) {
+  const int64_t H = heads * hs, size = bf16 ? 2 : 4;
+  int64_t max_len = 1;
+  for (int64_t t = 0; t < nseq; t++) max_len = lens[t] > max_len ? lens[t] : max_len;
+  const size_t bytes = (size_t)scratch_floats(max_len, hs) * sizeof(float);
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float *scratch = aligned_alloc(64, round_up(bytes, 64));
+    if (!scratch) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < nseq * heads; task++) {
+      const int64_t t = task / heads, h = task % heads;
+      if (scratch && lens[t] > 0)
+        head((const char *)qkv + (starts[t] * ld + h * hs) * size, bf16, ld, H, lens[t], hs, scale,
+             (char *)out + (starts[t] * ldo + h * hs) * size, ldo, scratch);
+    }
+    free(scratch);
+  }
+  return failed ? -1 : 0;
+}

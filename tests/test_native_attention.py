@@ -1,0 +1,123 @@
+"""The C attention kernel (csrc/attention.c, through `attention.packed_attention` in inference):
+the values of the PyTorch path it replaces, a sequence's bits independent of its neighbours and
+of the thread count, long sequences left to the flash kernel, filler rows zero, a NaN kept in
+its own sequence, and the PyTorch path whenever the kernel is not there or does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOL
+
+from bert_port import attention, native
+from bert_port.packing import pack, with_filler
+
+needs_kernel = pytest.mark.skipif(native.attention() is None, reason="no C compiler: the PyTorch path only")
+
+
+def packed_qkv(lengths: list[int], heads: int, head_size: int, dtype: torch.dtype, seed: int = 0):
+    """Random (N, 3H) rows of right-padded sequences of `lengths`, and their packing."""
+    torch.manual_seed(seed)
+    T = max(lengths)
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    packing = pack(mask)
+    qkv = (torch.randn(packing.num_tokens, 3 * heads * head_size) * 2).to(dtype)
+    return qkv, packing
+
+
+def pytorch_path(qkv, packing, heads, scale, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(native, "attention", lambda: None)
+        return attention.packed_attention(qkv, packing, heads, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [4, 32, 40, 64])  # under, at, past and twice a vector of 16 floats
+def test_kernel_gives_the_pytorch_paths_values(dtype, head_size, monkeypatch):
+    """Lengths 1 to 60 (every remainder of the kernel's blocks of 4 and 16) and one of 130, which
+    takes the flash kernel on both paths."""
+    lengths = [1, 2, 3, 5, 16, 17, 31, 33, 60, 130]
+    qkv, packing = packed_qkv(lengths, 3, head_size, dtype)
+    with torch.inference_mode():
+        got = attention.packed_attention(qkv, packing, 3, head_size**-0.5)
+        expected = pytorch_path(qkv, packing, 3, head_size**-0.5, monkeypatch)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    long = slice(sum(lengths[:-1]), None)
+    assert torch.equal(got[long], expected[long])  # the same flash call on both paths
+
+
+@needs_kernel
+def test_a_plant_in_the_softmax_is_caught(monkeypatch):
+    """The comparison above can fail: a scale off by 1% (as a wrong head size would give) moves
+    the context past the fp32 tolerance."""
+    qkv, packing = packed_qkv([7, 19, 33], 2, 32, torch.float32)
+    with torch.inference_mode():
+        got = attention.packed_attention(qkv, packing, 2, 1.01 * 32**-0.5)
+        expected = pytorch_path(qkv, packing, 2, 32**-0.5, monkeypatch)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_at_any_thread_count(dtype):
+    qkv, packing = packed_qkv([23, 5, 41, 23, 64, 9], 4, 32, dtype)
+    alone, alone_packing = qkv[28:69], pack(torch.ones(1, 41))  # the third sequence on its own
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            results = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(attention.packed_attention(qkv, packing, 4, 0.2)[28:69])
+                results.append(attention.packed_attention(alone.clone(), alone_packing, 4, 0.2))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+@needs_kernel
+def test_filler_rows_are_zero_and_a_nan_stays_in_its_sequence():
+    qkv, packing = with_filler(*packed_qkv([6, 9, 4], 2, 8, torch.float32), multiple=32)
+    qkv[19:] = 7.0  # filler rows may hold anything
+    qkv[8, 3] = float("nan")  # a query of the second sequence (rows 6 to 14)
+    with torch.inference_mode():
+        out = attention.packed_attention(qkv, packing, 2, 0.3)
+    assert packing.filler == 13 and torch.equal(out[19:], torch.zeros(13, 16))
+    assert out[8, :8].isnan().all() and not out[8, 8:].isnan().any()  # its head, its row
+    assert not out[:6].isnan().any() and not out[15:19].isnan().any()
+
+
+@needs_kernel
+def test_rows_with_a_stride_of_their_own(monkeypatch):
+    """qkv as columns of a wider tensor (row stride past 3H), and as a transposed copy (column
+    stride past 1, made contiguous first), give what contiguous rows give."""
+    qkv, packing = packed_qkv([11, 3, 20], 2, 16, torch.float32)
+    with torch.inference_mode():
+        expected = attention.packed_attention(qkv, packing, 2, 0.25)
+        wide = torch.cat([qkv, torch.randn(qkv.shape[0], 5)], 1)[:, : qkv.shape[1]]
+        transposed = qkv.T.contiguous().T
+        for view in (wide, transposed):
+            assert torch.equal(attention.packed_attention(view, packing, 2, 0.25), expected)
+
+
+def test_the_pytorch_path_runs_where_the_kernel_does_not_apply(monkeypatch):
+    """Gradients, dropout, fp64 and fp16 never reach the kernel; nor does anything when it cannot
+    be had (`BERT_PORT_NATIVE=0`, no compiler)."""
+    calls = []
+    real = native.attention
+    monkeypatch.setattr(native, "attention", lambda: calls.append(1) or real())
+    qkv, packing = packed_qkv([5, 12], 2, 8, torch.float32)
+    attention.packed_attention(qkv.requires_grad_(), packing, 2, 0.3)
+    with torch.no_grad():
+        attention.packed_attention(qkv, packing, 2, 0.3, dropout_p=0.1)
+        for dtype in (torch.float64, torch.float16):
+            attention.packed_attention(qkv.to(dtype), packing, 2, 0.3)
+    assert not calls
+    monkeypatch.setattr(native, "attention", lambda: None)
+    with torch.no_grad():
+        out = attention.packed_attention(qkv, packing, 2, 0.3)
+    assert out.shape == (17, 16) and out.isfinite().all()
