@@ -17,6 +17,7 @@
 #define W 16 /* floats per vector */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef float vfu __attribute__((vector_size(W * sizeof(float)), aligned(sizeof(float)))); /* unaligned */
 
 static inline float bf16_to_float(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
@@ -33,21 +34,18 @@ static inline uint16_t float_to_bf16(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* n floats from element `at` of a float32 or bf16 array. */
+/* n floats from element `at` of a float32 or bf16 array (a loop the compiler vectorises: a memcpy
+ * call per 32-float row cost a tenth of the kernel's time). */
 static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t n, int bf16) {
   if (bf16) {
     const uint16_t *x = (const uint16_t *)src + at;
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(x[i]);
   } else {
-    memcpy(dst, (const float *)src + at, n * sizeof(float));
+    const float *x = (const float *)src + at;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) *(vfu *)(dst + i) = *(const vfu *)(x + i);
+    for (; i < n; i++) dst[i] = x[i];
   }
-}
-
-static inline void store(void *base, int bf16, int64_t i, float x) {
-  if (bf16)
-    ((uint16_t *)base)[i] = float_to_bf16(x);
-  else
-    ((float *)base)[i] = x;
 }
 
 static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
@@ -81,25 +79,41 @@ static int64_t scratch_floats(int64_t max_len, int64_t hs) {
   return hs * Lp + round_up(Lr * hs, W) + max_len * hp + Lr * Lp;
 }
 
-/* The scores transposed, key j by query i, W queries at a time against 4 keys (4 independent sums
- * in flight): st[j][i] = scale * sum_d k[j][d] q[i][d], d in order. Queries lie along the vector
- * lanes, so that the softmax over the keys needs no sum across lanes. */
+/* The scores transposed, key j by query i: st[j][i] = scale * sum_d k[j][d] q[i][d], d in order.
+ * Queries lie along the vector lanes, so that the softmax over the keys needs no sum across lanes.
+ * 4 keys by 2 vectors of queries at a time (by 1 for an odd last vector): 8 independent sums in
+ * flight, what two FMA units of 4 cycles' latency need. */
 static void scores(const float *qt, const float *k, float *st, int64_t Lr, int64_t Lp, int64_t hs, float scale) {
   for (int64_t j = 0; j < Lr; j += 4) {
     const float *k0 = k + j * hs, *k1 = k0 + hs, *k2 = k1 + hs, *k3 = k2 + hs;
-    for (int64_t i = 0; i < Lp; i += W) {
-      vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t i = 0; i < Lp; i += 2 * W) {
+      const int two = i + W < Lp; /* (a branch the same for every d: the loop stays vectorised) */
+      vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
       for (int64_t d = 0; d < hs; d++) {
         const vf q = *(const vf *)(qt + d * Lp + i);
         a0 += k0[d] * q;
         a1 += k1[d] * q;
         a2 += k2[d] * q;
         a3 += k3[d] * q;
+        if (two) {
+          const vf r = *(const vf *)(qt + d * Lp + i + W);
+          b0 += k0[d] * r;
+          b1 += k1[d] * r;
+          b2 += k2[d] * r;
+          b3 += k3[d] * r;
+        }
       }
-      *(vf *)(st + j * Lp + i) = a0 * scale;
-      *(vf *)(st + (j + 1) * Lp + i) = a1 * scale;
-      *(vf *)(st + (j + 2) * Lp + i) = a2 * scale;
-      *(vf *)(st + (j + 3) * Lp + i) = a3 * scale;
+      float *row = st + j * Lp + i;
+      *(vf *)row = a0 * scale;
+      *(vf *)(row + Lp) = a1 * scale;
+      *(vf *)(row + 2 * Lp) = a2 * scale;
+      *(vf *)(row + 3 * Lp) = a3 * scale;
+      if (two) {
+        *(vf *)(row + W) = b0 * scale;
+        *(vf *)(row + Lp + W) = b1 * scale;
+        *(vf *)(row + 2 * Lp + W) = b2 * scale;
+        *(vf *)(row + 3 * Lp + W) = b3 * scale;
+      }
     }
   }
 }
@@ -124,22 +138,45 @@ static void softmax(float *st, int64_t L, int64_t Lp) {
   }
 }
 
-/* Context rows i..i+3: out[i][c] = sum_j p[i][j] v[j][c], j in order, W channels at a time
- * (p transposed in pt); rows from `rows` on are not written. */
+/* Context rows i..i+3 (4 rows up to `rows`) from W channels of sums: row r of `a` to channels c.. */
+static void write_rows(const vf a[4], int64_t i, int64_t rows, int64_t c, int64_t hs, void *out, int bf16,
+                       int64_t ldo) {
+  const int64_t n = hs - c < W ? hs - c : W;
+  for (int64_t r = 0; r < 4 && i + r < rows; r++) {
+    if (bf16) {
+      uint16_t *y = (uint16_t *)out + (i + r) * ldo + c;
+      for (int64_t d = 0; d < n; d++) y[d] = float_to_bf16(a[r][d]);
+    } else {
+      float *y = (float *)out + (i + r) * ldo + c;
+      for (int64_t d = 0; d < n; d++) y[d] = a[r][d];
+    }
+  }
+}
+
+/* Context rows i..i+3: out[i][c] = sum_j p[i][j] v[j][c], j in order (p transposed in pt), 2
+ * vectors of channels at a time (1 for an odd last one): 8 independent sums in flight. */
 static void weighted_values(const float *pt, const float *v, int64_t L, int64_t Lp, int64_t hs, int64_t hp, int64_t i,
                             int64_t rows, void *out, int bf16, int64_t ldo) {
-  for (int64_t c = 0; c < hp; c += W) {
-    vf a[4] = {{0}, {0}, {0}, {0}};
+  for (int64_t c = 0; c < hp; c += 2 * W) {
+    const int two = c + W < hp;
+    vf a[4] = {{0}, {0}, {0}, {0}}, b[4] = {{0}, {0}, {0}, {0}};
     for (int64_t j = 0; j < L; j++) {
-      const vf x = *(const vf *)(v + j * hp + c);
       const float *p = pt + j * Lp + i;
+      const vf x = *(const vf *)(v + j * hp + c);
       a[0] += p[0] * x;
       a[1] += p[1] * x;
       a[2] += p[2] * x;
       a[3] += p[3] * x;
+      if (two) {
+        const vf y = *(const vf *)(v + j * hp + c + W);
+        b[0] += p[0] * y;
+        b[1] += p[1] * y;
+        b[2] += p[2] * y;
+        b[3] += p[3] * y;
+      }
     }
-    for (int64_t r = 0; r < 4 && i + r < rows; r++)
-      for (int64_t d = c; d < c + W && d < hs; d++) store(out, bf16, (i + r) * ldo + d, a[r][d - c]);
+    write_rows(a, i, rows, c, hs, out, bf16, ldo);
+    if (two) write_rows(b, i, rows, c + W, hs, out, bf16, ldo);
   }
 }
 
@@ -149,10 +186,13 @@ static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, in
                  int64_t ldo, float *scratch) {
   const int64_t Lr = round_up(L, 4), Lp = round_up(L, W), hp = round_up(hs, W);
   float *qt = scratch, *k = qt + hs * Lp, *v = k + round_up(Lr * hs, W), *st = v + L * hp;
-  for (int64_t i = 0; i < L; i++) {
-    float *row = v + i * hp; /* (the query row passes through v's row i on its way into qt) */
-    row_to_float(row, qkv, i * ld, hs, bf16);
-    for (int64_t d = 0; d < hs; d++) qt[d * Lp + i] = row[d];
+  /* q transposed: float32 read down each column (the L rows stay in L1), bf16 converted a row at
+   * a time through v's row i and scattered (each the faster here). */
+  for (int64_t d = 0; d < hs && !bf16; d++)
+    for (int64_t i = 0; i < L; i++) qt[d * Lp + i] = ((const float *)qkv)[i * ld + d];
+  for (int64_t i = 0; i < L && bf16; i++) {
+    row_to_float(v + i * hp, qkv, i * ld, hs, bf16);
+    for (int64_t d = 0; d < hs; d++) qt[d * Lp + i] = v[i * hp + d];
   }
   for (int64_t d = 0; d < hs; d++)
     for (int64_t i = L; i < Lp; i++) qt[d * Lp + i] = 0.0f;
