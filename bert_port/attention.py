@@ -149,12 +149,13 @@ def _per_sequence(qkv: Tensor, seqlens: tuple[int, ...], num_heads: int) -> list
 
 def _flash_runs(qkv: Tensor, training: bool) -> bool:
     """Whether the CPU flash kernel may take the long sequences of `qkv`: in inference, not in
-    float64 (the math path is its reference), and in bf16/fp16 not under ATEN_CPU_CAPABILITY=
-    default, where torch 2.13's kernel fails on a CPU with AMX ("pack_vnni2 is only supported
-    when avx512 is supported")."""
+    float64 (the math path is its reference), and in bf16/fp16 only with ATen's AVX-512 kernels:
+    under ATEN_CPU_CAPABILITY=default or avx2, torch 2.13's kernel fails on a CPU with AMX
+    ("pack_vnni2 is only supported when avx512 is supported"; the math path's fp32 copy takes
+    those sequences there, and on CPUs without AVX-512, where bf16 is emulated anyway)."""
     half = qkv.dtype in (torch.float16, torch.bfloat16)
-    generic = torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-    return not training and qkv.dtype != torch.float64 and not (half and generic)
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return not training and qkv.dtype != torch.float64 and (avx512 or not half)
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float) -> Tensor:

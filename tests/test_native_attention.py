@@ -121,3 +121,15 @@ def test_the_pytorch_path_runs_where_the_kernel_does_not_apply(monkeypatch):
     with torch.no_grad():
         out = attention.packed_attention(qkv, packing, 2, 0.3)
     assert out.shape == (17, 16) and out.isfinite().all()
+
+
+@pytest.mark.parametrize("capability", ["DEFAULT", "AVX2", "AVX512"])
+def test_long_bf16_sequences_take_the_flash_kernel_only_with_avx512_kernels(capability, monkeypatch):
+    """torch 2.13's bf16 flash kernel fails on a CPU with AMX under ATEN_CPU_CAPABILITY=default
+    and avx2 ("pack_vnni2 is only supported when avx512 is supported"): there, as on CPUs without
+    AVX-512, long bf16 sequences take the fp32 math path. fp32 keeps the flash kernel everywhere."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    bf16, fp32 = torch.empty(0, 6, dtype=torch.bfloat16), torch.empty(0, 6)
+    assert attention._flash_runs(bf16, training=False) == (capability == "AVX512")
+    assert attention._flash_runs(fp32, training=False)
+    assert not attention._flash_runs(fp32, training=True)
