@@ -55,7 +55,7 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
       `native.attention()`), which reads `qkv` in its own dtype, computes in fp32 and writes
       the context in that dtype; one parallel region for the whole batch, where the calls below
       make three small ones per sequence, and in bf16 no fp32 copy of `qkv` and no cast of
-      the context. The longer sequences take the flash kernel, as below.
+      the context. The longer sequences run as below.
     - otherwise fp32 (and fp64): two `bmm` and a softmax per sequence (`_math_attention`), in
       inference and in training. The CPU flash kernel is slower on sequences this short
       (L of a few tens), and fp32 scores lose nothing; its backward is two more `bmm`, so a
@@ -82,9 +82,9 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     head_size = three_h // (3 * num_heads)
     seqlens = packing.seqlens[:-1] if packing.filler else packing.seqlens
     flash_runs = _flash_runs(qkv, training)
+    if _native_runs(qkv, packing, num_heads, training, dropout_p):
+        return _native_attention(qkv, packing, seqlens, flash_runs, num_heads, scale)
     flash = [flash_runs and L >= FLASH_MIN_LEN for L in seqlens]
-    if _native_runs(qkv, training, dropout_p):
-        return _native_attention(qkv, packing, seqlens, flash, num_heads, scale)
     native_views = _per_sequence(qkv, seqlens, num_heads)
     wide = _per_sequence(qkv.float(), seqlens, num_heads) if half and not all(flash) else native_views  # fp64 stays
     with torch.autocast(qkv.device.type, enabled=False):  # (autocast would cast the fp32 copy back)
@@ -99,29 +99,37 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     return torch.cat(contexts, out=out).view(N, three_h // 3)
 
 
-def _native_runs(qkv: Tensor, training: bool, dropout_p: float) -> bool:
-    """Whether the C kernel takes the short sequences: inference without dropout, in fp32 or bf16
-    (what it reads and writes), outside torch.compile and torch.export (which cannot trace a
-    ctypes call), where it could be built."""
+def _native_runs(qkv: Tensor, packing: Packing, num_heads: int, training: bool, dropout_p: float) -> bool:
+    """Whether the C kernel takes the short sequences: CPU inference without dropout, in fp32 or
+    bf16 (what it reads and writes), on rows that fit the packing and the heads (else the PyTorch
+    path says what is wrong), outside torch.compile, torch.export and torch.jit.trace (none of
+    which sees a ctypes call), where it could be built."""
     return (
         not training
         and not dropout_p
+        and qkv.device.type == "cpu"
         and qkv.dtype in (torch.float32, torch.bfloat16)
+        and qkv.dim() == 2
+        and qkv.shape[0] == packing.num_tokens
+        and qkv.shape[1] % (3 * num_heads) == 0
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and native.attention() is not None
     )
 
 
 def _native_attention(
-    qkv: Tensor, packing: Packing, seqlens: tuple[int, ...], flash: list[bool], num_heads: int, scale: float
+    qkv: Tensor, packing: Packing, seqlens: tuple[int, ...], flash_runs: bool, num_heads: int, scale: float
 ) -> Tensor:
-    """`packed_attention` in inference with the C kernel: qkv (N, 3H) -> (N, H), the sequences
-    not marked `flash` in one call, the others through the flash kernel, the filler rows zero."""
+    """`packed_attention` in CPU inference with the C kernel: qkv (N, 3H) -> (N, H), the sequences
+    under `FLASH_MIN_LEN` tokens in one call (its scratch grows with L^2), each longer one as the
+    PyTorch path runs it (the flash kernel where `flash_runs`, else the math path in fp32), the
+    filler rows zero."""
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     N, three_h = qkv.shape
     out = qkv.new_empty(N, three_h // 3)
     out[sum(seqlens) :].zero_()
-    short = [(start, L) for start, L, f in zip(packing.starts, seqlens, flash) if not f]
+    short = [(start, L) for start, L in zip(packing.starts, seqlens) if L < FLASH_MIN_LEN]
     if short:
         starts, lens = torch.tensor(short, dtype=torch.int64).T.contiguous()
         failed = native.attention().packed_attention(
@@ -132,10 +140,12 @@ def _native_attention(
         if failed:
             raise MemoryError(f"attention: no memory for the scratch of {torch.get_num_threads()} threads")
     with torch.autocast(qkv.device.type, enabled=False):
-        for start, L, f in zip(packing.starts, seqlens, flash):
-            if f:
-                ((q, k, v),) = _per_sequence(qkv[start : start + L], (L,), num_heads)
-                out[start : start + L] = _flash_attention(q, k, v, scale, 0.0).transpose(0, 1).reshape(L, -1)
+        for start, L in zip(packing.starts, seqlens):
+            if L >= FLASH_MIN_LEN:
+                rows = qkv[start : start + L]
+                ((q, k, v),) = _per_sequence(rows if flash_runs else rows.float(), (L,), num_heads)
+                context = _flash_attention(q, k, v, scale, 0.0) if flash_runs else _math_attention(q, k, v, scale, 0.0)
+                out[start : start + L] = context.transpose(0, 1).reshape(L, -1)
     return out
 
 
@@ -151,8 +161,8 @@ def _flash_runs(qkv: Tensor, training: bool) -> bool:
     """Whether the CPU flash kernel may take the long sequences of `qkv`: in inference, not in
     float64 (the math path is its reference), and in bf16/fp16 only with ATen's AVX-512 kernels:
     under ATEN_CPU_CAPABILITY=default or avx2, torch 2.13's kernel fails on a CPU with AMX
-    ("pack_vnni2 is only supported when avx512 is supported"; the math path's fp32 copy takes
-    those sequences there, and on CPUs without AVX-512, where bf16 is emulated anyway)."""
+    ("pack_vnni2 is only supported when avx512 is supported"; the math path takes those
+    sequences there, on an fp32 copy, as on CPUs without AVX-512, where bf16 is emulated anyway)."""
     half = qkv.dtype in (torch.float16, torch.bfloat16)
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     return not training and qkv.dtype != torch.float64 and (avx512 or not half)

@@ -38,10 +38,10 @@ logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # No fused multiply-add (int8's PyTorch fallback rounds each product), except in attention, whose
-# PyTorch path gives other bits anyway (another summation order) and which runs 15% faster with
-# it. OpenMP when torch's own runtime is OpenMP. The library then links libgomp.so.1, which
-# resolves to the copy torch loaded (the pip wheels ship it under that name): one thread pool.
-# Each call passes torch.get_num_threads() as its thread count.
+# PyTorch path gives other bits anyway (another summation order) and which runs faster with it.
+# OpenMP when torch's own runtime is OpenMP. The library then links libgomp.so.1, which resolves
+# to the copy torch loaded (the pip wheels ship it under that name): one thread pool. Each call
+# passes torch.get_num_threads() as its thread count.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 OWN_FLAGS = {"attention": ("-ffp-contract=fast",)}  # after CFLAGS: the last -ffp-contract counts
 Pointer, Int = ctypes.c_void_p, ctypes.c_int64

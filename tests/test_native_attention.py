@@ -133,3 +133,43 @@ def test_long_bf16_sequences_take_the_flash_kernel_only_with_avx512_kernels(capa
     assert attention._flash_runs(bf16, training=False) == (capability == "AVX512")
     assert attention._flash_runs(fp32, training=False)
     assert not attention._flash_runs(fp32, training=True)
+
+
+@pytest.mark.parametrize(
+    "rows, heads, hidden",
+    [(10, 2, 48), (17, 3, 30), (17, 2, 48)],
+    ids=["fewer rows than the packing", "3H not a multiple of the heads", "meta tensor"],
+)
+def test_rows_that_do_not_fit_get_the_pytorch_paths_error_not_a_crash(rows, heads, hidden):
+    """The C kernel trusts its arguments: rows that do not fit the packing or the heads, and
+    tensors without memory, never reach it (before this check, such calls corrupted the heap or
+    crashed the process); the PyTorch path raises."""
+    packing = pack((torch.arange(12)[None] < torch.tensor([5, 12])[:, None]).long())  # 17 rows
+    device = "meta" if rows == 17 and heads == 2 else "cpu"
+    qkv = torch.randn(rows, hidden, device=device)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        attention.packed_attention(qkv, packing, heads, 0.3)
+
+
+@needs_kernel
+def test_sharply_peaked_scores_give_the_pytorch_paths_values(monkeypatch):
+    """Scores far below their row's maximum (here by up to thousands), where the kernel's exp
+    returns zero (below -80, rather than subnormals, which are slow to compute with), give the
+    PyTorch path's values."""
+    qkv, packing = packed_qkv([120, 37, 64], 6, 32, torch.float32, seed=3)
+    qkv = qkv * 50
+    with torch.inference_mode():
+        got = attention.packed_attention(qkv, packing, 6, 32**-0.5)
+        expected = pytorch_path(qkv, packing, 6, 32**-0.5, monkeypatch)
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+@needs_kernel
+def test_a_jit_trace_records_the_pytorch_path():
+    """torch.jit.trace cannot see a ctypes call: traced, the attention must still compute from
+    its input (the kernel's call would leave the traced output's memory unwritten)."""
+    qkv, packing = packed_qkv([9, 4], 2, 8, torch.float32)
+    other = torch.randn_like(qkv)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda x: attention.packed_attention(x, packing, 2, 0.3), qkv, check_trace=False)
+        torch.testing.assert_close(traced(other), attention.packed_attention(other, packing, 2, 0.3))

@@ -6,10 +6,12 @@
  * Built by bert_port/native.py (cc -O3 -march=native -ffp-contract=fast -fopenmp: fused
  * multiply-adds, unlike int8_rows.c) and called through ctypes. Inputs are float32 or bf16, the
  * sums and the softmax float32, as on the PyTorch path, whose bits it does not try to match (its
- * own order of summation; the values agree within the fp32 tolerance, tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end, in an order fixed by the
- * sequence's length and the head size alone: its bits never depend on the other sequences of the
- * batch, nor on the thread count. GCC vector extensions (16 floats) rather than intrinsics: the
- * compiler maps them to AVX-512, AVX2 or SSE, whatever -march=native has. */
+ * own order of summation; the values agree within the fp32 tolerance,
+ * tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end,
+ * in an order fixed by the sequence's length and the head size alone: its bits never depend on
+ * the other sequences of the batch, nor on the thread count. GCC vector extensions (16 floats)
+ * rather than intrinsics: the compiler maps them to AVX-512, AVX2 or SSE, whatever -march=native
+ * has. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,8 +37,8 @@ static inline uint16_t float_to_bf16(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* n floats from element `at` of a float32 or bf16 array (a loop the compiler vectorises: a memcpy
- * call per 32-float row cost a tenth of the kernel's time). */
+/* n floats from element `at` of a float32 or bf16 array: a loop the compiler vectorises (a memcpy
+ * call per row of a few tens of floats costs more than the copy). */
 static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t n, int bf16) {
   if (bf16) {
     const uint16_t *x = (const uint16_t *)src + at;
@@ -52,12 +54,13 @@ static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t
 static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
 /* exp(x) for x <= 0 (scores minus their row's maximum): Cephes' expf, a degree-7 polynomial on
- * x - n ln 2 scaled by 2^n; relative error at most 8.6e-8 on [-87, 0] against double exp. Below
- * ln(FLT_MIN) it returns FLT_MIN rather than a subnormal or zero, a difference the softmax's sum
- * of at least 1 cannot see. NaN stays NaN. */
+ * x - n ln 2 scaled by 2^n; relative error at most 8.6e-8 on [-80, 0] against double exp. Below
+ * -80 it returns 0 (e^-80 is 1.8e-35, which a softmax's sum of at least 1 cannot see), so that
+ * no subnormal, many times slower to compute with, enters the sums. NaN stays NaN. */
 static inline vf vexp(vf x) {
-  const vf lowest = (vf){0} - 87.33654475f;
-  x = pick(x < lowest, lowest, x);
+  const vf lowest = (vf){0} - 80.0f;
+  const vi zero = x < lowest;
+  x = pick(zero, lowest, x);
   const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
   vf r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -69,7 +72,7 @@ static inline vf vexp(vf x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)two_n;
+  return pick(zero, (vf){0}, p * (vf)two_n);
 }
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
