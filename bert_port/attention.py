@@ -105,15 +105,15 @@ def _native_runs(qkv: Tensor, packing: Packing, num_heads: int, training: bool, 
     path says what is wrong), outside torch.compile, torch.export and torch.jit.trace (none of
     which sees a ctypes call), where it could be built."""
     return (
-        not training
+        not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()  # (first: a traced shape is a tensor, not a number)
+        and not training
         and not dropout_p
         and qkv.device.type == "cpu"
         and qkv.dtype in (torch.float32, torch.bfloat16)
         and qkv.dim() == 2
         and qkv.shape[0] == packing.num_tokens
         and qkv.shape[1] % (3 * num_heads) == 0
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
         and native.attention() is not None
     )
 

@@ -165,6 +165,7 @@ def test_sharply_peaked_scores_give_the_pytorch_paths_values(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_a_jit_trace_records_the_pytorch_path():
     """torch.jit.trace cannot see a ctypes call: traced, the attention must still compute from
     its input (the kernel's call would leave the traced output's memory unwritten)."""
