@@ -136,16 +136,15 @@ def test_long_bf16_sequences_take_the_flash_kernel_only_with_avx512_kernels(capa
 
 
 @pytest.mark.parametrize(
-    "rows, heads, hidden",
-    [(10, 2, 48), (17, 3, 30), (17, 2, 48)],
+    "rows, heads, hidden, device",
+    [(10, 2, 48, "cpu"), (17, 3, 30, "cpu"), (17, 2, 48, "meta")],
     ids=["fewer rows than the packing", "3H not a multiple of the heads", "meta tensor"],
 )
-def test_rows_that_do_not_fit_get_the_pytorch_paths_error_not_a_crash(rows, heads, hidden):
+def test_rows_that_do_not_fit_get_the_pytorch_paths_error_not_a_crash(rows, heads, hidden, device):
     """The C kernel trusts its arguments: rows that do not fit the packing or the heads, and
     tensors without memory, never reach it (before this check, such calls corrupted the heap or
     crashed the process); the PyTorch path raises."""
     packing = pack((torch.arange(12)[None] < torch.tensor([5, 12])[:, None]).long())  # 17 rows
-    device = "meta" if rows == 17 and heads == 2 else "cpu"
     qkv = torch.randn(rows, hidden, device=device)
     with torch.no_grad(), pytest.raises(RuntimeError):
         attention.packed_attention(qkv, packing, heads, 0.3)

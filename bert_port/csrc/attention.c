@@ -77,11 +77,20 @@ static inline vf vexp(vf x) {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Floats of one thread's scratch for sequences up to max_len tokens: q transposed (hs, Lp), k
- * (Lr, hs), v (L, hp) and the scores transposed (Lr, Lp), each a multiple of W (aligned). */
-static int64_t scratch_floats(int64_t max_len, int64_t hs) {
-  const int64_t Lr = round_up(max_len, 4), Lp = round_up(max_len, W), hp = round_up(hs, W);
-  return hs * Lp + round_up(Lr * hs, W) + max_len * hp + Lr * Lp;
+/* One thread's scratch for a sequence of L tokens, in floats: q transposed (hs, Lp) at 0, k (Lr, hs)
+ * at k, v (L, hp) at v and the scores transposed (Lr, Lp) at st, each a multiple of W (aligned);
+ * `floats` in all, which grows with L (a scratch sized for the longest sequence fits every one). */
+struct layout {
+  int64_t Lr, Lp, hp, k, v, st, floats;
+};
+
+static struct layout layout_of(int64_t L, int64_t hs) {
+  struct layout s = {.Lr = round_up(L, 4), .Lp = round_up(L, W), .hp = round_up(hs, W)};
+  s.k = hs * s.Lp;
+  s.v = s.k + round_up(s.Lr * hs, W);
+  s.st = s.v + L * s.hp;
+  s.floats = s.st + s.Lr * s.Lp;
+  return s;
 }
 
 /* The scores transposed, key j by query i: st[j][i] = scale * sum_d k[j][d] q[i][d], d in order.
@@ -189,8 +198,9 @@ static void weighted_values(const float *pt, const float *v, int64_t L, int64_t 
  * at h * hs) -> its L rows of out (row stride ldo, at h * hs). */
 static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
                  int64_t ldo, float *scratch) {
-  const int64_t Lr = round_up(L, 4), Lp = round_up(L, W), hp = round_up(hs, W);
-  float *qt = scratch, *k = qt + hs * Lp, *v = k + round_up(Lr * hs, W), *st = v + L * hp;
+  const struct layout s = layout_of(L, hs);
+  const int64_t Lr = s.Lr, Lp = s.Lp, hp = s.hp;
+  float *qt = scratch, *k = scratch + s.k, *v = scratch + s.v, *st = scratch + s.st;
   /* q transposed: float32 read down each column (the L rows stay in L1), bf16 converted a row at
    * a time through v's row i and scattered (each the faster here). */
   for (int64_t d = 0; d < hs && !bf16; d++)
@@ -221,7 +231,7 @@ int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *start
   const int64_t H = heads * hs, size = bf16 ? 2 : 4;
   int64_t max_len = 1;
   for (int64_t t = 0; t < nseq; t++) max_len = lens[t] > max_len ? lens[t] : max_len;
-  const size_t bytes = (size_t)scratch_floats(max_len, hs) * sizeof(float);
+  const size_t bytes = (size_t)layout_of(max_len, hs).floats * sizeof(float);
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
