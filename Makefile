@@ -68,7 +68,7 @@ wheel-check: setup
 	  pkgs = lambda root: sorted(str(p.parent.relative_to(root)) for p in Path(root, "bert_port").rglob("__init__.py")); \
 	  missing = set(pkgs(sys.argv[2])) - set(pkgs(site)); \
 	  assert not missing, f"packages missing from the wheel: {missing}; list them in pyproject.toml"; \
-	  sources = lambda root: sorted(p.name for p in Path(root, "bert_port", "csrc").glob("*.c")); \
+	  sources = lambda root: sorted(p.name for p in Path(root, "bert_port", "csrc").glob("*.[ch]")); \
 	  assert sources(site) == sources(sys.argv[2]), f"C sources in the wheel: {sources(site)}"; \
 	  print("bert_port from", where.parent)' "$$tmp/site" "$(CURDIR)"; \
 	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \

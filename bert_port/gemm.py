@@ -10,12 +10,16 @@ AVX-512 and AMX (README, "Same text, same bits"):
   bert-base's (3072 -> 768) for M in 16..384. oneDNN's inner product on a prepacked weight
   gives the same bits for every M >= 2, at 1 and 2 threads, and runs at least as fast.
 - bf16 goes to oneDNN either way, whose AMX kernels pick the reduction's blocking by M when
-  K is large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). So bf16 GEMMs run
-  in blocks of exactly `BF16_ROW_BLOCK` rows (the packed rows are a multiple of it): every call
-  has one shape, hence one kernel, whatever the batch (a row's place in the block does not
-  change its bits). That costs bf16 a good part of its speed, most at 2 threads, where a
-  block of 128 rows is little work to split; `batch_invariant=False` runs all the rows in one
-  call and gives it back (README, "Speed").
+  K is large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). Where the CPU has
+  AMX-BF16, bf16 GEMMs run on a kernel of our own instead (csrc/amx_linear.c, `_amx_linear`):
+  one call for all rows, each 32 x 32 block of the output summed over K in one fixed order by
+  one thread, so that a row's bits depend on nothing else by construction (the packed rows are
+  a multiple of `AMX_ROW_STEP`). Elsewhere, and for layers whose in or out is not a multiple of
+  32, bf16 GEMMs run on oneDNN in blocks of exactly `BF16_ROW_BLOCK` rows: every call has one
+  shape, hence one kernel, whatever the batch (a row's place in the block does not change its
+  bits). Those blocks cost bf16 a good part of its speed, most at 2 threads, where a block of
+  128 rows is little work to split; `batch_invariant=False` runs all the rows in one oneDNN call
+  and gives it back (README, "Speed").
 
 The prepacked weight is cached on the module, keyed on the weight's storage, version
 counter, dtype and the thread count, and dropped when a gradient is accumulated into the
@@ -48,12 +52,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import native
+
 # oneDNN (through torch's ideep) keeps a compiled kernel per GEMM shape, up to 1024 of them
 # (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
 # command's memory by 200 MiB over 20,000 texts. Row counts in steps of FP32_ROW_STEP (and
 # bf16's one block shape) keep those kernels few; zero rows cost at most a step a call.
 FP32_ROW_STEP = 64
 BF16_ROW_BLOCK = 128  # of 32, 64, 128 and 256, the fastest on MR batches (about 900 rows)
+AMX_ROW_STEP = 32  # rows of the AMX kernel's blocks (csrc/amx_linear.c)
+AMX_COLUMNS = 128  # output columns per task of its threads (of 64, 128 and 256, the fastest on MiniLM)
 _CACHE = "_row_stable_weight"
 PACK_ROWS_HINT = 1024  # the batch size oneDNN is told to expect when it lays the weight out
 
@@ -107,7 +115,22 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
     dtype = row_stable_dtype(x, weight)
     if dtype is None:
         return 1
-    return BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else FP32_ROW_STEP
+    if dtype == torch.bfloat16 and batch_invariant:
+        return AMX_ROW_STEP if _amx_runs(x.shape[1], weight.shape[0]) else BF16_ROW_BLOCK
+    return FP32_ROW_STEP
+
+
+@functools.cache
+def _amx():
+    """The AMX kernels (csrc/amx_linear.c), where this CPU and its compiler have AMX-BF16 and
+    the kernel is allowed its tile state (`amx_ready`); else None."""
+    kernels = native.amx_linear()
+    return kernels if kernels is not None and kernels.amx_ready() else None
+
+
+def _amx_runs(k: int, m: int) -> bool:
+    """Whether (N, k) x (k, m) bf16 GEMMs run on the AMX kernel: its tiles take k and m in 32s."""
+    return k % 32 == 0 and m % 32 == 0 and _amx() is not None
 
 
 # Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
@@ -131,10 +154,11 @@ def row_stable_linear(
     batch_invariant: bool = True,
 ) -> Tensor:
     """`epilogue(F.linear(x, weight, bias), activation, residual)` for packed rows x (N, K),
-    through oneDNN where `row_stable_dtype` allows, with the packed copy of `weight` cached on
-    `owner`; the activation (one of `POST_OPS`) or the residual (N, M) run in the GEMM's
-    epilogue there. With `batch_invariant` a row's bits do not depend on N (bf16 in blocks);
-    without, bf16 runs all N rows in one call, faster, with bits that may."""
+    through oneDNN (or, batch-invariant bf16 where the CPU has AMX, our AMX kernel) where
+    `row_stable_dtype` allows, with the packed copy of `weight` cached on `owner`; the
+    activation (one of `POST_OPS`) or the residual (N, M) run in the GEMM's epilogue there. With
+    `batch_invariant` a row's bits do not depend on N (bf16 on AMX, or in blocks); without, bf16
+    runs all N rows in one oneDNN call, with bits that may."""
     return _linear(x, (weight, bias), owner, activation, residual, batch_invariant)
 
 
@@ -168,13 +192,56 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
         y = F.linear(x, *weight_bias) if dtype is None else _linear(x, layers, owner, None, None, batch_invariant)
         return epilogue(y, activation, residual)
 
-    def build() -> tuple[Tensor, Tensor | None]:
-        weight, bias = stack_linears(layers) if stacked else layers
-        return _pack(weight.to(dtype)), None if bias is None else bias.detach().to(dtype)
-
-    packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype)
+    m = sum(layer.weight.shape[0] for layer in layers) if stacked else sources[0].shape[0]
+    amx = dtype == torch.bfloat16 and batch_invariant and _amx_runs(sources[0].shape[1], m)
+    kernel = "amx" if amx else "onednn"
+    build = functools.partial(_packed, layers, stacked, dtype, kernel)
+    packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype, kernel)
+    post_op = POST_OPS.get(activation, ("none", ""))
+    if amx:
+        return _amx_linear(x.to(dtype), packed, m, bias, post_op[0], residual)
     block = BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else None
-    return _onednn_linear(x.to(dtype), packed, bias, POST_OPS.get(activation, ("none", "")), residual, block)
+    return _onednn_linear(x.to(dtype), packed, bias, post_op, residual, block)
+
+
+def _packed(layers, stacked: bool, dtype: torch.dtype, kernel: str) -> tuple[Tensor, Tensor | None]:
+    """The weight of `layers` (stacked where `stacked`) packed for `kernel` in `dtype`, and the
+    bias in `dtype` (the AMX kernel reads it as float32, exactly)."""
+    weight, bias = stack_linears(layers) if stacked else layers
+    bias = None if bias is None else bias.detach().to(dtype)
+    if kernel == "amx":
+        return _amx_pack(weight.detach().to(dtype)), None if bias is None else bias.float()
+    return _pack(weight.to(dtype)), bias
+
+
+AMX_ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}  # post-op -> csrc/amx_linear.c's ACT_*
+
+
+def _amx_pack(weight: Tensor) -> Tensor:
+    """A (m, k) bf16 weight as the AMX kernel's tiles: for every 16 outputs, for every 32 inputs,
+    16 rows of 16 (output, pair of consecutive inputs), as TDPBF16PS reads them."""
+    m, k = weight.shape
+    return weight.reshape(m // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _amx_linear(
+    x: Tensor, packed: Tensor, m: int, bias: Tensor | None, post_op: str, residual: Tensor | None
+) -> Tensor:
+    """bf16 rows x (N, k) through the AMX kernel, in one call: rows made up to a multiple of
+    `AMX_ROW_STEP` by zero rows (none on the packed path), which are dropped."""
+    n = x.shape[0]
+    rows = -(-n // AMX_ROW_STEP) * AMX_ROW_STEP
+    if rows != n or x.stride(1) != 1:
+        x = F.pad(x, (0, 0, 0, rows - n)).contiguous()
+    if residual is not None and (rows != n or residual.stride(1) != 1):
+        residual = F.pad(residual, (0, 0, 0, rows - n)).contiguous()
+    out = torch.empty(rows, m, dtype=torch.bfloat16)
+    _amx().amx_linear(
+        x.data_ptr(), rows, x.shape[1], x.stride(0), packed.data_ptr(), m, native.address(bias),
+        AMX_ACTIVATIONS[post_op], native.address(residual), 0 if residual is None else residual.stride(0),
+        out.data_ptr(), m, AMX_COLUMNS, torch.get_num_threads(),
+    )  # fmt: skip
+    return out if rows == n else out[:n]
 
 
 def _onednn_linear(
@@ -217,13 +284,13 @@ class _Cache:
         return _Cache, ()
 
 
-def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build, dtype: torch.dtype):
+def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build, dtype: torch.dtype, kernel: str):
     """`build()`, kept on `owner` until a tensor of `sources` changes: its storage or version
     counter, or a gradient accumulated into it (the step that follows may be a fused
     optimiser's, which leaves the version counter alone); or the dtype (the sources' or the
     one computed in, autocast's) or the thread count."""
     versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)  # inference: none
-    key = (versions, sources[0].dtype, dtype, torch.get_num_threads())
+    key = (versions, sources[0].dtype, dtype, kernel, torch.get_num_threads())
     cache = owner.__dict__.setdefault(_CACHE, _Cache())
     if cache.entry is None or cache.entry[0] != key:
         _drop(owner)

@@ -43,7 +43,10 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 # to the copy torch loaded (the pip wheels ship it under that name): one thread pool. Each call
 # passes torch.get_num_threads() as its thread count.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
-OWN_FLAGS = {"attention": ("-ffp-contract=fast",)}  # after CFLAGS: the last -ffp-contract counts
+OWN_FLAGS = {
+    "attention": ("-ffp-contract=fast",),
+    "amx_linear": ("-ffp-contract=fast",),
+}  # after CFLAGS: the last -ffp-contract counts
 Pointer, Int = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "int8_rows": {
@@ -77,6 +80,25 @@ SIGNATURES = {
             Int,
             ctypes.c_int,
         ]
+    },
+    "amx_linear": {
+        "amx_ready": [],
+        "amx_linear": [
+            Pointer,
+            Int,
+            Int,
+            Int,
+            Pointer,
+            Int,
+            Pointer,
+            ctypes.c_int,
+            Pointer,
+            Int,
+            Pointer,
+            Int,
+            Int,
+            ctypes.c_int,
+        ],
     },
 }
 
@@ -129,7 +151,8 @@ def _build(name: str, cc: list[str]) -> Path:
     crash on rather than refuse) is found and replaced."""
     source = SOURCES / f"{name}.c"
     flags = _flags(name)
-    identity = (source.read_text(), _compiler_id(cc), *flags, _cpu_id())
+    headers = (h.read_text() for h in sorted(SOURCES.glob("*.h")))  # what `#include "..."` can reach
+    identity = (source.read_text(), *headers, _compiler_id(cc), *flags, _cpu_id())
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
     folder = cache_dir()
     for cached in folder.glob(f"{name}-{key}-*.so"):
@@ -193,6 +216,11 @@ def int8_rows() -> ctypes.CDLL | None:
 def attention() -> ctypes.CDLL | None:
     """`packed_attention` (csrc/attention.c), or None."""
     return kernels("attention")
+
+
+def amx_linear() -> ctypes.CDLL | None:
+    """`amx_ready` and `amx_linear` (csrc/amx_linear.c), or None."""
+    return kernels("amx_linear")
 
 
 def address(tensor: torch.Tensor | None) -> int | None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL
 
-from bert_port import BertConfig
+from bert_port import BertConfig, gemm
 from bert_port.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
 
 # (in, out) of the packed path's layers: MiniLM's QKV, FFN up and down; bert-base's FFN down.
@@ -24,10 +24,21 @@ def _rows_differing(linear, x: torch.Tensor) -> list[int]:
         return [m for m in ROW_COUNTS if not torch.equal(linear(x[:m])[:16], reference)]
 
 
+@pytest.fixture(params=["default", "oneDNN blocks"])
+def bf16_kernel(request, monkeypatch):
+    """bf16's kernel where the CPU has AMX (csrc/amx_linear.c), and oneDNN's blocks of rows, which
+    other CPUs run: both on every CPU that has both."""
+    if request.param != "default":
+        monkeypatch.setattr(gemm, "_amx_runs", lambda k, m: False)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_a_row_gets_the_same_bits_for_every_row_count(shape, dtype, threads):
+def test_a_row_gets_the_same_bits_for_every_row_count(shape, dtype, threads, bf16_kernel):
+    if dtype == torch.float32 and bf16_kernel != "default":
+        pytest.skip("fp32 has one kernel")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -129,11 +140,13 @@ def test_bf16_autocast_computes_in_bf16_with_row_stable_bits(shape):
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "batch_invariant=False"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant):
+def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant, bf16_kernel):
     """The FFN's GELU and the residual addition inside oneDNN's GEMM (`BertLayer` passes them),
     and an activation oneDNN has no post-op for (after the GEMM): each within the dtype's
     tolerance of `F.linear` and the op, and, batch-invariant, with a row's bits independent of
     the row count."""
+    if bf16_kernel != "default" and not (dtype == torch.bfloat16 and invariant):
+        pytest.skip("one kernel")
     torch.manual_seed(0)
     layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=invariant)).to(dtype)
     x, residual = torch.randn(1024, 384).to(dtype), torch.randn(1024, 1536).to(dtype)

@@ -9,33 +9,13 @@
  * own order of summation; the values agree within the fp32 tolerance,
  * tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end,
  * in an order fixed by the sequence's length and the head size alone: its bits never depend on
- * the other sequences of the batch, nor on the thread count. GCC vector extensions (16 floats)
- * rather than intrinsics: the compiler maps them to AVX-512, AVX2 or SSE, whatever -march=native
- * has. */
+ * the other sequences of the batch, nor on the thread count. Vectors of 16 floats (vector.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define W 16 /* floats per vector */
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-typedef float vfu __attribute__((vector_size(W * sizeof(float)), aligned(sizeof(float)))); /* unaligned */
-
-static inline float bf16_to_float(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* Round to nearest even, as torch's float -> bf16 cast (c10::round_to_nearest_even). */
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if (f != f) return 0x7fc0;
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "vector.h"
 
 /* n floats from element `at` of a float32 or bf16 array: a loop the compiler vectorises (a memcpy
  * call per row of a few tens of floats costs more than the copy). */
@@ -49,30 +29,6 @@ static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t
     for (; i + W <= n; i += W) *(vfu *)(dst + i) = *(const vfu *)(x + i);
     for (; i < n; i++) dst[i] = x[i];
   }
-}
-
-static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
-
-/* exp(x) for x <= 0 (scores minus their row's maximum): Cephes' expf, a degree-7 polynomial on
- * x - n ln 2 scaled by 2^n; relative error at most 8.6e-8 on [-80, 0] against double exp. Below
- * -80 it returns 0 (e^-80 is 1.8e-35, which a softmax's sum of at least 1 cannot see), so that
- * no subnormal, many times slower to compute with, enters the sums. NaN stays NaN. */
-static inline vf vexp(vf x) {
-  const vf lowest = (vf){0} - 80.0f;
-  const vi zero = x < lowest;
-  x = pick(zero, lowest, x);
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = (vf){0} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
-  return pick(zero, (vf){0}, p * (vf)two_n);
 }
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

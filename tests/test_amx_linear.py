@@ -1,0 +1,159 @@
+"""The AMX bf16 GEMM (csrc/amx_linear.c, through `gemm.row_stable_linear` in batch-invariant
+bf16 inference): the float32 maths' values on the model's shapes with each epilogue, a planted
+layout bug caught, GELU on every bf16 value, a row's bits independent of its batch, its place in
+it and the thread count, NaN kept in its row, strided inputs, and oneDNN where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOL
+
+from bert_port import BertConfig, gemm
+from bert_port.gemm import RowStableLinear
+
+needs_amx = pytest.mark.skipif(gemm._amx() is None, reason="no AMX-BF16 here (or no C compiler): oneDNN's blocks")
+pytestmark = needs_amx
+
+# (in, out): MiniLM's QKV, FFN up and down; bert-base's FFN up and down.
+SHAPES = [(384, 1152), (384, 1536), (1536, 384), (768, 3072), (3072, 768)]
+EPILOGUES = {"none": {}, "gelu": {"activation": F.gelu}, "relu": {"activation": F.relu}, "residual": {}}
+
+
+def layer_and_input(shape, rows: int, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = RowStableLinear(*shape, BertConfig(batch_invariant=True)).to(torch.bfloat16)
+    return layer, torch.randn(rows, shape[0]).bfloat16()
+
+
+def float32_maths(layer, x, activation=None, residual=None):
+    """What the kernel computes, in float32 on the same bf16 values, rounded once to bf16."""
+    y = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    y = y if activation is None else activation(y)
+    return (y if residual is None else y + residual.float()).bfloat16()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the AMX kernel ran."""
+    count = [0]
+    real = gemm._amx_linear
+
+    def counted(*args):
+        count[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(gemm, "_amx_linear", counted)
+    return count
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_gives_the_float32_maths_values(shape, epilogue, calls):
+    """100 rows, not a multiple of the kernel's 32: zero rows made up and dropped."""
+    layer, x = layer_and_input(shape, 100)
+    kwargs = dict(EPILOGUES[epilogue])
+    if epilogue == "residual":
+        kwargs["residual"] = torch.randn(100, shape[1]).bfloat16()
+    with torch.inference_mode():
+        got = layer(x, **kwargs)
+    assert calls[0] == 1 and got.dtype == torch.bfloat16 and got.shape == (100, shape[1])
+    torch.testing.assert_close(got, float32_maths(layer, x, **kwargs), **TOL[torch.bfloat16])
+
+
+def test_a_plant_in_the_weight_layout_is_caught(monkeypatch):
+    """The comparison above can fail: the weight's last 32 inputs left out of its tiles (a K loop
+    that stops one step short) move MiniLM's FFN-down output past the bf16 tolerance."""
+    real = gemm._amx_pack
+
+    def short(weight):
+        packed = real(weight).clone()
+        packed[:, -1] = 0
+        return packed
+
+    monkeypatch.setattr(gemm, "_amx_pack", short)
+    layer, x = layer_and_input((1536, 384), 64)
+    with torch.inference_mode(), pytest.raises(AssertionError):
+        torch.testing.assert_close(layer(x), float32_maths(layer, x), **TOL[torch.bfloat16])
+
+
+def ordered(t: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns as integers in the order of their values: b - a counts bf16 steps."""
+    bits = t.view(torch.int16).int()
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def test_gelu_of_every_bf16_value():
+    """GELU in the kernel's epilogue (erf from a rational approximation) against torch's on every
+    bf16 value, through an identity weight: the same bits on 99.5%, one bf16 step apart at most
+    down to x = -4, and below, where GELU is under 4e-5 and its 1 + erf a cancellation, within
+    5e-7. NaN where torch gives NaN. Left out: subnormal inputs (AMX reads them as zero, as
+    oneDNN's bf16 GEMMs do) and |x| > 1e38 (torch's x (1 + erf) overflows to inf)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
+    layer = RowStableLinear(32, 32, BertConfig(batch_invariant=True)).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(32))
+        layer.bias.zero_()
+    with torch.inference_mode():
+        got = layer(x, activation=F.gelu).flatten()
+    x, want = x.flatten().float(), F.gelu(x.float()).bfloat16().flatten()
+    assert torch.equal(got.isnan(), want.isnan())
+    kept = ~want.isnan() & (x.abs() >= 2**-126) & (x.abs() <= 1e38)
+    x, got, want = x[kept], got[kept], want[kept]
+    steps = (ordered(got) - ordered(want)).abs()
+    assert float((steps == 0).float().mean()) >= 0.995
+    assert int(steps[x >= -4].max()) <= 1
+    assert float((got.float() - want.float())[x < -4].abs().max()) <= 5e-7
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_row_gets_the_same_bits_wherever_it_sits(threads):
+    """Rows of MiniLM's FFN (GELU) at places 0, 5, 31, 32 and 77 of batches of 1 to 1,000 rows,
+    at 1, 2 and 3 threads: the bits of the row alone at 1 thread."""
+    layer, rows = layer_and_input((384, 1536), 5, seed=1)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            alone = [layer(row[None], activation=F.gelu) for row in rows]
+        torch.set_num_threads(threads)
+        for n, places in ((1, [0]), (33, [0, 5, 31, 32]), (100, [77, 5]), (1000, [0, 32, 77, 999])):
+            torch.manual_seed(n)
+            batch = torch.randn(n, 384).bfloat16()
+            batch[places] = rows[: len(places)]
+            with torch.inference_mode():
+                out = layer(batch, activation=F.gelu)
+            for i, place in enumerate(places):
+                assert torch.equal(out[place], alone[i][0]), (n, place, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_nan_stays_in_its_row():
+    layer, x = layer_and_input((384, 384), 64)
+    x[7, 3] = float("nan")
+    with torch.inference_mode():
+        out = layer(x, residual=torch.zeros(64, 384).bfloat16())
+    assert bool(out[7].isnan().all()) and not bool(out[torch.arange(64) != 7].isnan().any())
+
+
+def test_strided_rows_and_residual():
+    """x and the residual as column slices of wider tensors (row stride past the row's end)."""
+    layer, x = layer_and_input((384, 1152), 64)
+    wide_x, wide_r = torch.randn(64, 500).bfloat16(), torch.randn(64, 1200).bfloat16()
+    wide_x[:, :384] = x
+    with torch.inference_mode():
+        got = layer(wide_x[:, :384], residual=wide_r[:, :1152])
+        assert torch.equal(got, layer(x, residual=wide_r[:, :1152].contiguous()))
+
+
+def test_shapes_it_cannot_take_run_on_onednn_blocks(calls):
+    """In or out not a multiple of 32 (the tiles' step): oneDNN in blocks of BF16_ROW_BLOCK rows,
+    which is then the packed rows' multiple; the AMX kernel's shapes pack rows in 32s."""
+    layer, x = layer_and_input((100, 64), 40)
+    wide, _ = layer_and_input((384, 1536), 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), float32_maths(layer, x), **TOL[torch.bfloat16])
+        assert calls[0] == 0 and layer.row_multiple(x) == gemm.BF16_ROW_BLOCK
+        assert wide.row_multiple(torch.zeros(1, 384).bfloat16()) == gemm.AMX_ROW_STEP
