@@ -134,7 +134,7 @@ def _native_attention(
         starts, lens = torch.tensor(short, dtype=torch.int64).T.contiguous()
         failed = native.attention().packed_attention(
             qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), starts.data_ptr(), lens.data_ptr(),
-            len(short), num_heads, three_h // (3 * num_heads), scale, out.data_ptr(), out.stride(0),
+            len(short), N, num_heads, three_h // (3 * num_heads), scale, out.data_ptr(), out.stride(0),
             torch.get_num_threads(),
         )  # fmt: skip
         if failed:

@@ -236,11 +236,13 @@ def _amx_linear(
     if residual is not None and (rows != n or residual.stride(1) != 1):
         residual = F.pad(residual, (0, 0, 0, rows - n)).contiguous()
     out = torch.empty(rows, m, dtype=torch.bfloat16)
-    _amx().amx_linear(
+    failed = _amx().amx_linear(
         x.data_ptr(), rows, x.shape[1], x.stride(0), packed.data_ptr(), m, native.address(bias),
         AMX_ACTIVATIONS[post_op], native.address(residual), 0 if residual is None else residual.stride(0),
         out.data_ptr(), m, AMX_COLUMNS, torch.get_num_threads(),
     )  # fmt: skip
+    if failed:
+        raise ValueError(f"the AMX kernel does not take rows {tuple(x.shape)} x weight ({m}, {x.shape[1]})")
     return out if rows == n else out[:n]
 
 

@@ -75,6 +75,7 @@ SIGNATURES = {
             Int,
             Int,
             Int,
+            Int,
             ctypes.c_float,
             Pointer,
             Int,

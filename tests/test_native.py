@@ -107,6 +107,20 @@ def test_a_build_lands_in_the_cache_whole(fresh_kernels):
 
 
 @needs_kernels
+def test_a_changed_header_builds_again(fresh_kernels, tmp_path, monkeypatch):
+    """The sources' headers (csrc/*.h, which `#include` reaches) are part of a build's key: an
+    edit to one gives a new library, not the cached build of the old header."""
+    sources = tmp_path / "csrc"
+    shutil.copytree(native.SOURCES, sources)
+    monkeypatch.setattr(native, "SOURCES", sources)
+    first = native._build("attention", native.compiler())
+    with open(sources / "vector.h", "a") as header:
+        header.write("/* edited */\n")
+    second = native._build("attention", native.compiler())
+    assert first != second and first.exists() and second.exists()
+
+
+@needs_kernels
 def test_a_corrupt_cached_library_is_built_again(fresh_kernels):
     """Truncated, as by a copy onto a full disk: dlopen would crash on it, not refuse it."""
     library = native._build("int8_rows", native.compiler())

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tasks.h"
 #include "vector.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -71,17 +72,26 @@ static inline vf verf(vf x) {
 
 enum { ACT_NONE = 0, ACT_GELU = 1, ACT_RELU = 2 };
 
-/* Rows r..r+31, columns c..c+31 of y from the accumulators in acc (32 x 32 float32). */
-static void epilogue(const float *acc, int64_t r, int64_t c, const float *bias, int act, const uint16_t *res,
-                     int64_t ldr, uint16_t *out, int64_t ldo) {
-  for (int64_t i = 0; i < 32; i++) {
+/* Where y goes and what the epilogue adds on the way. */
+struct epilogue_args {
+  const float *bias; /* (M), or NULL */
+  int act;           /* ACT_* */
+  const uint16_t *res;
+  int64_t ldr; /* (N, M) bf16 with row stride ldr, or NULL */
+  uint16_t *out;
+  int64_t ldo; /* (N, M) bf16, row stride ldo */
+};
+
+/* Rows r+i0..r+i1-1, columns c..c+31 of y from the accumulators in acc (32 x 32 float32). */
+static void epilogue(const float *acc, int64_t r, int64_t c, int64_t i0, int64_t i1, const struct epilogue_args *e) {
+  for (int64_t i = i0; i < i1; i++) {
     for (int64_t h = 0; h < 32; h += W) {
       vf y = *(const vfu *)(acc + i * 32 + h);
-      if (bias) y += *(const vfu *)(bias + c + h);
-      if (act == ACT_GELU) y = 0.5f * y * (1.0f + verf(y * 0.70710678118654752f));
-      if (act == ACT_RELU) y = pick(y < 0.0f, (vf){0}, y); /* NaN stays NaN */
-      if (res) y += bf16_to_vf(res + (r + i) * ldr + c + h);
-      vf_to_bf16(y, out + (r + i) * ldo + c + h);
+      if (e->bias) y += *(const vfu *)(e->bias + c + h);
+      if (e->act == ACT_GELU) y = 0.5f * y * (1.0f + verf(y * 0.70710678118654752f));
+      if (e->act == ACT_RELU) y = pick(y < 0.0f, (vf){0}, y); /* NaN stays NaN */
+      if (e->res) y += bf16_to_vf(e->res + (r + i) * e->ldr + c + h);
+      vf_to_bf16(y, e->out + (r + i) * e->ldo + c + h);
     }
   }
 }
@@ -90,12 +100,13 @@ static void epilogue(const float *acc, int64_t r, int64_t c, const float *bias, 
  * the columns' tiles of the weight stream from L2. */
 #define STEPS_PER_PASS 12
 
-/* Rows r..r+31 by columns c0..c0+cols-1 of the accumulators, into acc (one 32 x 32 float32 block
- * after another): K in passes of STEPS_PER_PASS steps, each over every 32 columns, the sums kept
- * in acc between passes (stored and loaded exactly). The steps along K run in order for every
- * block, however K is split: the same bits as one pass. */
-static void task_sums(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wp, int64_t r, int64_t c0,
-                      int64_t cols, float *acc) {
+/* Rows r..r+31 by columns c0..c0+cols-1 of y. The sums go to acc (one 32 x 32 float32 block after
+ * another): K in passes of STEPS_PER_PASS steps, each over every 32 columns, the sums kept in acc
+ * between passes (stored and loaded exactly). The steps along K run in order for every block,
+ * however K is split: the same bits as one pass. In the last pass each block's epilogue runs a
+ * few rows at a time between the next block's steps, on the vector units while AMX computes. */
+static void task(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wp, int64_t r, int64_t c0, int64_t cols,
+                 float *acc, const struct epilogue_args *e) {
   const int64_t steps = K / 32, stride = ldx * 2;
   const uint16_t *x0 = x + r * ldx, *x1 = x0 + 16 * ldx;
   for (int64_t s0 = 0; s0 < steps; s0 += STEPS_PER_PASS) {
@@ -103,6 +114,8 @@ static void task_sums(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t 
     for (int64_t c = 0; c < cols; c += 32) {
       const uint16_t *w0 = wp + ((c0 + c) / 16) * steps * 512, *w1 = w0 + steps * 512;
       float *a = acc + c * 32;
+      /* rows of the previous block's epilogue per step: all 32 over this pass's steps */
+      const int64_t per_step = s1 == steps && c > 0 ? (32 + s1 - s0 - 1) / (s1 - s0) : 0;
       if (s0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -114,7 +127,7 @@ static void task_sums(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t 
         _tile_loadd(2, a + 16 * 32, 128);
         _tile_loadd(3, a + 16 * 32 + 16, 128);
       }
-      for (int64_t s = s0; s < s1; s++) {
+      for (int64_t s = s0, done = 0; s < s1; s++) {
         _tile_loadd(4, x0 + s * 32, stride);
         _tile_loadd(5, x1 + s * 32, stride);
         _tile_loadd(6, w0 + s * 512, 64);
@@ -123,6 +136,11 @@ static void task_sums(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t 
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (per_step) {
+          const int64_t end = done + per_step < 32 ? done + per_step : 32;
+          epilogue(a - 32 * 32, r, c0 + c - 32, done, end, e);
+          done = end;
+        }
       }
       _tile_stored(0, a, 128);
       _tile_stored(1, a + 16, 128);
@@ -130,36 +148,50 @@ static void task_sums(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t 
       _tile_stored(3, a + 16 * 32 + 16, 128);
     }
   }
+  epilogue(acc + (cols - 32) * 32, r, c0 + cols - 32, 0, 32, e); /* the last block's */
 }
 
 /* x (N, K) bf16, row stride ldx; wp the packed weight of M outputs; bias (M) float32 or NULL;
  * act one of ACT_*; res (N, M) bf16, row stride ldr, or NULL; out (N, M) bf16, row stride ldo.
  * N, K and M must be multiples of 32, cols of 32 and at most MAX_COLS: the columns of y in one
- * task (tasks run column chunk by column chunk, so that the chunk's weight stays in L2). */
+ * task. Returns
+ * 0, or -1 (nothing written) for shapes or strides it does not take. */
 #define MAX_COLS 256
-void amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
-                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
-                int64_t cols, int threads) {
-  const int64_t row_tasks = N / 32, tasks = row_tasks * ((M + cols - 1) / cols);
+int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
+               const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
+               int64_t cols, int threads) {
+  if (N % 32 || K % 32 || M % 32 || cols % 32 || cols <= 0 || cols > MAX_COLS || ldx < K || ldo < M ||
+      (res && ldr < M) || threads < 1)
+    return -1;
+  /* Each thread's own rows as ATen splits them (tasks.h), column chunk by column chunk within them,
+   * so that a chunk's weight stays in L2 while the thread's rows pass through. */
+  const int64_t blocks = N / 32, chunks = (M + cols - 1) / cols;
+  struct task_range ranges[threads];
+  for (int k = 0; k < threads; k++) {
+    const int64_t first = split_start(blocks, threads, k), rows = split_start(blocks, threads, k + 1) - first;
+    ranges[k] = (struct task_range){.next = 0, .end = rows * chunks, .first = first, .rows = rows};
+  }
+  const struct epilogue_args e = {bias, act, res, ldr, out, ldo};
 #pragma omp parallel num_threads(threads)
   {
     float acc[32 * MAX_COLS] __attribute__((aligned(64)));
     configure_tiles();
-#pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < tasks; task++) {
-      const int64_t r = task % row_tasks * 32, c0 = task / row_tasks * cols;
-      const int64_t n = M - c0 < cols ? M - c0 : cols;
-      task_sums(x, ldx, K, wp, r, c0, n, acc);
-      for (int64_t c = 0; c < n; c += 32) epilogue(acc + c * 32, r, c0 + c, bias, act, res, ldr, out, ldo);
+    int cursor = 0, k;
+    for (int64_t t; (t = next_task(ranges, threads, omp_get_thread_num(), &cursor, &k)) >= 0;) {
+      const int64_t r = (ranges[k].first + t % ranges[k].rows) * 32, c0 = t / ranges[k].rows * cols;
+      task(x, ldx, K, wp, r, c0, M - c0 < cols ? M - c0 : cols, acc, &e);
     }
     _tile_release();
   }
+  return 0;
 }
 
 #else
 int amx_ready(void) { return 0; }
 
-void amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
-                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
-                int64_t cols, int threads) {}
+int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
+               const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
+               int64_t cols, int threads) {
+  return -1;
+}
 #endif

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tasks.h"
 #include "vector.h"
 
 /* n floats from element `at` of a float32 or bf16 array: a loop the compiler vectorises (a memcpy
@@ -178,16 +179,25 @@ static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, in
   for (int64_t i = 0; i < L; i += 4) weighted_values(st, v, L, Lp, hs, hp, i, L, out, bf16, ldo);
 }
 
-/* qkv (N, 3H) rows of nseq packed sequences, sequence t at rows starts[t] .. starts[t] + lens[t];
- * float32 (bf16 = 0) or bf16 (bf16 = 1), row stride ld. Writes each sequence's context to the
- * same rows of out (N, H), row stride ldo, in the same dtype; other rows are left alone.
- * Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete). */
+/* qkv (N, 3H) rows of nseq packed sequences, sequence t at rows starts[t] .. starts[t] + lens[t]
+ * (starts ascending); float32 (bf16 = 0) or bf16 (bf16 = 1), row stride ld. Writes each
+ * sequence's context to the same rows of out (N, H), row stride ldo, in the same dtype; other
+ * rows are left alone. Returns 0, or -1 when a thread's scratch could not be allocated (out is
+ * then incomplete). Each thread starts on the sequences in its own rows as ATen splits the N rows
+ * (tasks.h), where the layer's other ops leave them in its cache. */
 int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *starts, const int64_t *lens, int64_t nseq,
-                     int64_t heads, int64_t hs, float scale, void *out, int64_t ldo, int threads) {
+                     int64_t N, int64_t heads, int64_t hs, float scale, void *out, int64_t ldo, int threads) {
   const int64_t H = heads * hs, size = bf16 ? 2 : 4;
   int64_t max_len = 1;
   for (int64_t t = 0; t < nseq; t++) max_len = lens[t] > max_len ? lens[t] : max_len;
   const size_t bytes = (size_t)layout_of(max_len, hs).floats * sizeof(float);
+  if (threads < 1) return -1;
+  struct task_range ranges[threads];
+  for (int k = 0, t = 0; k < threads; k++) {
+    const int64_t first = t;
+    while (t < nseq && (k == threads - 1 || starts[t] < split_start(N, threads, k + 1))) t++;
+    ranges[k] = (struct task_range){.next = 0, .end = (t - first) * heads, .first = first, .rows = t - first};
+  }
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -196,9 +206,9 @@ int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *start
 #pragma omp atomic write
       failed = 1;
     }
-#pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < nseq * heads; task++) {
-      const int64_t t = task / heads, h = task % heads;
+    int cursor = 0, k;
+    for (int64_t task; (task = next_task(ranges, threads, omp_get_thread_num(), &cursor, &k)) >= 0;) {
+      const int64_t t = ranges[k].first + task / heads, h = task % heads;
       if (scratch && lens[t] > 0)
         head((const char *)qkv + (starts[t] * ld + h * hs) * size, bf16, ld, H, lens[t], hs, scale,
              (char *)out + (starts[t] * ldo + h * hs) * size, ldo, scratch);
