@@ -123,14 +123,30 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
 @functools.cache
 def _amx():
     """The AMX kernels (csrc/amx_linear.c), where this CPU and its compiler have AMX-BF16 and
-    the kernel is allowed its tile state (`amx_ready`); else None."""
+    the kernel is allowed its tile state (`amx_ready`); else None. Built only on such a CPU."""
+    if not {"amx_bf16", "amx_tile"} <= set(native.cpu_flags()):
+        return None
     kernels = native.amx_linear()
     return kernels if kernels is not None and kernels.amx_ready() else None
 
 
 def _amx_runs(k: int, m: int) -> bool:
     """Whether (N, k) x (k, m) bf16 GEMMs run on the AMX kernel: its tiles take k and m in 32s."""
-    return k % 32 == 0 and m % 32 == 0 and _amx() is not None
+    return k > 0 and m > 0 and k % 32 == 0 and m % 32 == 0 and _amx() is not None
+
+
+def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: Tensor | None) -> bool:
+    """Whether this call runs on the AMX kernel: x (N, k) matching the weight, every tensor on
+    the CPU, a residual of exactly (N, m), not under torch.jit.trace (which does not see a ctypes
+    call); anything else goes to oneDNN, whose checks and errors then apply."""
+    k = sources[0].shape[1]
+    return (
+        not torch.jit.is_tracing()
+        and x.shape[1] == k
+        and all(t.device.type == "cpu" for t in sources if t is not None)
+        and (residual is None or (residual.shape == (x.shape[0], m) and residual.device.type == "cpu"))
+        and _amx_runs(k, m)
+    )
 
 
 # Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
@@ -193,7 +209,7 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
         return epilogue(y, activation, residual)
 
     m = sum(layer.weight.shape[0] for layer in layers) if stacked else sources[0].shape[0]
-    amx = dtype == torch.bfloat16 and batch_invariant and _amx_runs(sources[0].shape[1], m)
+    amx = dtype == torch.bfloat16 and batch_invariant and _amx_takes(x, sources, m, residual)
     kernel = "amx" if amx else "onednn"
     build = functools.partial(_packed, layers, stacked, dtype, kernel)
     packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype, kernel)
@@ -214,6 +230,12 @@ def _packed(layers, stacked: bool, dtype: torch.dtype, kernel: str) -> tuple[Ten
     return _pack(weight.to(dtype)), bias
 
 
+def _rows(t: Tensor) -> Tensor:
+    """t (N, C) with rows the kernel can step through: unit column stride, rows apart by at least C
+    (not an expanded view)."""
+    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
 AMX_ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}  # post-op -> csrc/amx_linear.c's ACT_*
 
 
@@ -229,20 +251,20 @@ def _amx_linear(
 ) -> Tensor:
     """bf16 rows x (N, k) through the AMX kernel, in one call: rows made up to a multiple of
     `AMX_ROW_STEP` by zero rows (none on the packed path), which are dropped."""
-    n = x.shape[0]
+    n, k = x.shape
     rows = -(-n // AMX_ROW_STEP) * AMX_ROW_STEP
-    if rows != n or x.stride(1) != 1:
-        x = F.pad(x, (0, 0, 0, rows - n)).contiguous()
-    if residual is not None and (rows != n or residual.stride(1) != 1):
-        residual = F.pad(residual, (0, 0, 0, rows - n)).contiguous()
+    if rows != n:
+        x = F.pad(x, (0, 0, 0, rows - n))
+        residual = None if residual is None else F.pad(residual, (0, 0, 0, rows - n))
+    x, residual = _rows(x), None if residual is None else _rows(residual)
     out = torch.empty(rows, m, dtype=torch.bfloat16)
     failed = _amx().amx_linear(
-        x.data_ptr(), rows, x.shape[1], x.stride(0), packed.data_ptr(), m, native.address(bias),
+        x.data_ptr(), rows, k, x.stride(0), packed.data_ptr(), m, native.address(bias),
         AMX_ACTIVATIONS[post_op], native.address(residual), 0 if residual is None else residual.stride(0),
         out.data_ptr(), m, AMX_COLUMNS, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
-        raise ValueError(f"the AMX kernel does not take rows {tuple(x.shape)} x weight ({m}, {x.shape[1]})")
+        raise ValueError(f"the AMX kernel does not take rows ({n}, {k}) x weight ({m}, {k})")
     return out if rows == n else out[:n]
 
 
@@ -292,7 +314,8 @@ def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build, dtype: torch.d
     optimiser's, which leaves the version counter alone); or the dtype (the sources' or the
     one computed in, autocast's) or the thread count."""
     versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)  # inference: none
-    key = (versions, sources[0].dtype, dtype, kernel, torch.get_num_threads())
+    threads = torch.get_num_threads() if kernel == "onednn" else None  # (oneDNN packs for a thread count)
+    key = (versions, sources[0].dtype, dtype, kernel, threads)
     cache = owner.__dict__.setdefault(_CACHE, _Cache())
     if cache.entry is None or cache.entry[0] != key:
         _drop(owner)

@@ -136,6 +136,14 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
 
 
+def cpu_flags() -> list[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (x86 `flags`, Arm `Features`); [] where unknown."""
+    for line in _cpu_id().splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
 def _compiler_id(cc: list[str]) -> str:
     """The compiler's own account of itself (`--version`): an upgrade builds again."""
     done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)

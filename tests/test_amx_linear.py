@@ -84,7 +84,7 @@ def ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-def test_gelu_of_every_bf16_value():
+def test_gelu_of_every_bf16_value(calls):
     """GELU in the kernel's epilogue (erf from a rational approximation) against torch's on every
     bf16 value, through an identity weight: the same bits on 99.5%, one bf16 step apart at most
     down to x = -4, and below, where GELU is under 4e-5 and its 1 + erf a cancellation, within
@@ -97,6 +97,7 @@ def test_gelu_of_every_bf16_value():
         layer.bias.zero_()
     with torch.inference_mode():
         got = layer(x, activation=F.gelu).flatten()
+    assert calls[0] == 1
     x, want = x.flatten().float(), F.gelu(x.float()).bfloat16().flatten()
     assert torch.equal(got.isnan(), want.isnan())
     kept = ~want.isnan() & (x.abs() >= 2**-126) & (x.abs() <= 1e38)
@@ -108,7 +109,7 @@ def test_gelu_of_every_bf16_value():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_row_gets_the_same_bits_wherever_it_sits(threads):
+def test_a_row_gets_the_same_bits_wherever_it_sits(threads, calls):
     """Rows of MiniLM's FFN (GELU) at places 0, 5, 31, 32 and 77 of batches of 1 to 1,000 rows,
     at 1, 2 and 3 threads: the bits of the row alone at 1 thread."""
     layer, rows = layer_and_input((384, 1536), 5, seed=1)
@@ -126,26 +127,34 @@ def test_a_row_gets_the_same_bits_wherever_it_sits(threads):
                 out = layer(batch, activation=F.gelu)
             for i, place in enumerate(places):
                 assert torch.equal(out[place], alone[i][0]), (n, place, threads)
+        assert calls[0] == 9
     finally:
         torch.set_num_threads(previous)
 
 
-def test_a_nan_stays_in_its_row():
+def test_a_nan_stays_in_its_row(calls):
     layer, x = layer_and_input((384, 384), 64)
     x[7, 3] = float("nan")
     with torch.inference_mode():
         out = layer(x, residual=torch.zeros(64, 384).bfloat16())
     assert bool(out[7].isnan().all()) and not bool(out[torch.arange(64) != 7].isnan().any())
+    assert calls[0] == 1
 
 
-def test_strided_rows_and_residual():
-    """x and the residual as column slices of wider tensors (row stride past the row's end)."""
+def test_strided_and_expanded_rows(calls):
+    """x and the residual as column slices of wider tensors (row stride past the row's end), and
+    as expanded views (row stride 0): the bits of contiguous copies."""
     layer, x = layer_and_input((384, 1152), 64)
     wide_x, wide_r = torch.randn(64, 500).bfloat16(), torch.randn(64, 1200).bfloat16()
     wide_x[:, :384] = x
     with torch.inference_mode():
         got = layer(wide_x[:, :384], residual=wide_r[:, :1152])
         assert torch.equal(got, layer(x, residual=wide_r[:, :1152].contiguous()))
+        same = x[:1].expand(64, 384), wide_r[:1, :1152].expand(64, 1152)
+        assert torch.equal(
+            layer(*same[:1], residual=same[1]), layer(same[0].contiguous(), residual=same[1].contiguous())
+        )
+    assert calls[0] == 4
 
 
 def test_shapes_it_cannot_take_run_on_onednn_blocks(calls):
@@ -157,3 +166,34 @@ def test_shapes_it_cannot_take_run_on_onednn_blocks(calls):
         torch.testing.assert_close(layer(x), float32_maths(layer, x), **TOL[torch.bfloat16])
         assert calls[0] == 0 and layer.row_multiple(x) == gemm.BF16_ROW_BLOCK
         assert wide.row_multiple(torch.zeros(1, 384).bfloat16()) == gemm.AMX_ROW_STEP
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # nn.Linear(0, 64)'s
+@pytest.mark.parametrize(
+    "case", ["input wider than the weight", "residual of one row", "weight on meta", "no inputs (in = 0)", "jit.trace"]
+)
+def test_what_the_kernel_does_not_take_goes_to_onednn(case, calls):
+    """Calls whose shapes, devices or context the kernel cannot check itself take oneDNN's path,
+    with its errors (a wrong width, a meta weight, no inputs, tracing) or its result (a residual
+    broadcast over the rows), never a read past a buffer (found in review: the first two crashed
+    the process, tracing recorded an unwritten output)."""
+    layer, x = layer_and_input((384, 384), 64)
+    with torch.inference_mode():
+        if case == "input wider than the weight":
+            with pytest.raises(RuntimeError):
+                layer(torch.randn(64, 768).bfloat16())
+        elif case == "residual of one row":
+            residual = torch.randn(1, 384).bfloat16()
+            expected = float32_maths(layer, x, residual=residual.expand(64, 384))
+            torch.testing.assert_close(layer(x, residual=residual), expected, **TOL[torch.bfloat16])
+        elif case == "weight on meta":
+            with pytest.raises((NotImplementedError, RuntimeError)):
+                layer.to("meta")(x)
+        elif case == "no inputs (in = 0)":
+            empty, _ = layer_and_input((0, 64), 1)
+            with pytest.raises(RuntimeError):  # oneDNN's, as before the kernel
+                empty(torch.zeros(8, 0).bfloat16())
+    if case == "jit.trace":  # oneDNN's packed weight cannot be a traced constant: an error, not a wrong graph
+        with torch.no_grad(), pytest.raises(RuntimeError, match="constant"):
+            torch.jit.trace(lambda t: layer(t), (x,))
+    assert calls[0] == 0
