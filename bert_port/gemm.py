@@ -295,11 +295,13 @@ def _pack(weight: Tensor) -> Tensor:
 
 
 class _Cache:
-    """What `_cached` keeps on a module. Copies and pickles of the module start empty: the
-    packed weight is an opaque oneDNN tensor, which neither `copy.deepcopy` nor `pickle` take."""
+    """What `_cached` keeps on a module: one entry per kernel ("onednn", "amx"), so that a model
+    run both batch-invariant and not in bf16 (the bench's two rows, a user switching) does not
+    pack its weights again at every switch. Copies and pickles of the module start empty: a
+    packed weight may be an opaque oneDNN tensor, which neither `copy.deepcopy` nor `pickle` take."""
 
     def __init__(self) -> None:
-        self.entry: tuple | None = None  # (key, value, gradient hooks)
+        self.entries: dict[str, tuple] = {}  # kernel -> (key, value, gradient hooks)
 
     def __deepcopy__(self, memo) -> _Cache:
         return _Cache()
@@ -309,32 +311,36 @@ class _Cache:
 
 
 def _cached(owner: nn.Module, sources: tuple[Tensor, ...], build, dtype: torch.dtype, kernel: str):
-    """`build()`, kept on `owner` until a tensor of `sources` changes: its storage or version
-    counter, or a gradient accumulated into it (the step that follows may be a fused
+    """`build()`, kept on `owner` for `kernel` until a tensor of `sources` changes: its storage
+    or version counter, or a gradient accumulated into it (the step that follows may be a fused
     optimiser's, which leaves the version counter alone); or the dtype (the sources' or the
-    one computed in, autocast's) or the thread count."""
+    one computed in, autocast's) or, for oneDNN, the thread count."""
     versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)  # inference: none
     threads = torch.get_num_threads() if kernel == "onednn" else None  # (oneDNN packs for a thread count)
-    key = (versions, sources[0].dtype, dtype, kernel, threads)
+    key = (versions, sources[0].dtype, dtype, threads)
     cache = owner.__dict__.setdefault(_CACHE, _Cache())
-    if cache.entry is None or cache.entry[0] != key:
-        _drop(owner)
+    entry = cache.entries.get(kernel)
+    if entry is None or entry[0] != key:
+        _drop(owner, kernel)
         ref = weakref.ref(owner)
         hooks = [
             t.register_post_accumulate_grad_hook(lambda _, ref=ref: _drop(ref()))
             for t in sources
             if t.requires_grad and t.is_leaf
         ]
-        cache.entry = (key, build(), hooks)
-    return cache.entry[1]
+        entry = cache.entries[kernel] = (key, build(), hooks)
+    return entry[1]
 
 
-def _drop(owner: nn.Module | None) -> None:
+def _drop(owner: nn.Module | None, kernel: str | None = None) -> None:
+    """Drop `owner`'s packed weight for `kernel`, or for every kernel."""
     cache = owner.__dict__.get(_CACHE) if owner is not None else None
-    if cache is not None and cache.entry is not None:
-        for hook in cache.entry[2]:
+    if cache is None:
+        return
+    for name in [kernel] if kernel else list(cache.entries):
+        entry = cache.entries.pop(name, None)
+        for hook in entry[2] if entry else ():
             hook.remove()
-        cache.entry = None
 
 
 def clear_packed_weights(model: nn.Module) -> None:

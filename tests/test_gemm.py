@@ -86,6 +86,22 @@ def test_the_packed_weight_follows_the_weight():
     check()
 
 
+def test_switching_batch_invariance_packs_each_weight_once(monkeypatch):
+    """bf16 batch-invariant and not run on different kernels where the CPU has AMX (two packed
+    weights): a model switched back and forth, as the bench's two rows do, keeps both packed."""
+    packs = []
+    real = gemm._packed
+    monkeypatch.setattr(gemm, "_packed", lambda *args: packs.append(args[-1]) or real(*args))
+    torch.manual_seed(0)
+    config = BertConfig(batch_invariant=True)
+    layer, x = RowStableLinear(384, 1536, config).bfloat16(), torch.randn(64, 384).bfloat16()
+    with torch.inference_mode():
+        for invariant in (True, False, True, False):
+            config.batch_invariant = invariant
+            layer(x)
+    assert len(packs) == len(set(packs)) <= 2
+
+
 def test_a_model_that_ran_copies_and_pickles():
     """The cached packed weight is an opaque oneDNN tensor: copies and pickles leave it out."""
     import copy
