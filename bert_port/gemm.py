@@ -9,17 +9,18 @@ AVX-512 and AMX (README, "Same text, same bits"):
   others: (M, 1536) x (1536, 384) gives other bits for M in 57..192 than for M = 1024, and
   bert-base's (3072 -> 768) for M in 16..384. oneDNN's inner product on a prepacked weight
   gives the same bits for every M >= 2, at 1 and 2 threads, and runs at least as fast.
-- bf16 goes to oneDNN either way, whose AMX kernels pick the reduction's blocking by M when
-  K is large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). Where the CPU has
+- bf16 in torch goes to oneDNN, whose AMX kernels pick the reduction's blocking by M when K is
+  large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). Where the CPU has
   AMX-BF16, bf16 GEMMs run on a kernel of our own instead (csrc/amx_linear.c, `_amx_linear`):
   one call for all rows, each 32 x 32 block of the output summed over K in one fixed order by
   one thread, so that a row's bits depend on nothing else by construction (the packed rows are
-  a multiple of `AMX_ROW_STEP`). Elsewhere, and for layers whose in or out is not a multiple of
-  32, bf16 GEMMs run on oneDNN in blocks of exactly `BF16_ROW_BLOCK` rows: every call has one
-  shape, hence one kernel, whatever the batch (a row's place in the block does not change its
-  bits). Those blocks cost bf16 a good part of its speed, most at 2 threads, where a block of
-  128 rows is little work to split; `batch_invariant=False` runs all the rows in one oneDNN call
-  and gives it back (README, "Speed").
+  a multiple of `AMX_ROW_STEP`). It was also faster than one oneDNN call on all the rows in
+  the model (README, "Speed"), so `batch_invariant=False` runs it too. Elsewhere, and for
+  layers whose in or out is not a multiple of 32, batch-invariant bf16 GEMMs run on oneDNN in
+  blocks of exactly `BF16_ROW_BLOCK` rows: every call has one shape, hence one kernel,
+  whatever the batch (a row's place in the block does not change its bits). Those blocks cost
+  bf16 a good part of its speed, most at 2 threads, where a block of 128 rows is little work
+  to split; `batch_invariant=False` runs all the rows in one oneDNN call there.
 
 The prepacked weight is cached on the module, keyed on the weight's storage, version
 counter, dtype and the thread count, and dropped when a gradient is accumulated into the
@@ -115,9 +116,9 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
     dtype = row_stable_dtype(x, weight)
     if dtype is None:
         return 1
-    if dtype == torch.bfloat16 and batch_invariant:
-        return AMX_ROW_STEP if _amx_runs(x.shape[1], weight.shape[0]) else BF16_ROW_BLOCK
-    return FP32_ROW_STEP
+    if dtype == torch.bfloat16 and _amx_runs(x.shape[1], weight.shape[0]):
+        return AMX_ROW_STEP
+    return BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else FP32_ROW_STEP
 
 
 @functools.cache
@@ -170,11 +171,11 @@ def row_stable_linear(
     batch_invariant: bool = True,
 ) -> Tensor:
     """`epilogue(F.linear(x, weight, bias), activation, residual)` for packed rows x (N, K),
-    through oneDNN (or, batch-invariant bf16 where the CPU has AMX, our AMX kernel) where
-    `row_stable_dtype` allows, with the packed copy of `weight` cached on `owner`; the
-    activation (one of `POST_OPS`) or the residual (N, M) run in the GEMM's epilogue there. With
-    `batch_invariant` a row's bits do not depend on N (bf16 on AMX, or in blocks); without, bf16
-    runs all N rows in one oneDNN call, with bits that may."""
+    through oneDNN (bf16 where the CPU has AMX: our AMX kernel) where `row_stable_dtype`
+    allows, with the packed copy of `weight` cached on `owner`; the activation (one of
+    `POST_OPS`) or the residual (N, M) run in the GEMM's epilogue there. A row's bits do not
+    depend on N, except in bf16 on oneDNN without `batch_invariant`, which runs all N rows in
+    one call instead of blocks."""
     return _linear(x, (weight, bias), owner, activation, residual, batch_invariant)
 
 
@@ -209,7 +210,7 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
         return epilogue(y, activation, residual)
 
     m = sum(layer.weight.shape[0] for layer in layers) if stacked else sources[0].shape[0]
-    amx = dtype == torch.bfloat16 and batch_invariant and _amx_takes(x, sources, m, residual)
+    amx = dtype == torch.bfloat16 and _amx_takes(x, sources, m, residual)
     kernel = "amx" if amx else "onednn"
     build = functools.partial(_packed, layers, stacked, dtype, kernel)
     packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype, kernel)

@@ -86,20 +86,23 @@ def test_the_packed_weight_follows_the_weight():
     check()
 
 
-def test_switching_batch_invariance_packs_each_weight_once(monkeypatch):
-    """bf16 batch-invariant and not run on different kernels where the CPU has AMX (two packed
-    weights): a model switched back and forth, as the bench's two rows do, keeps both packed."""
+def test_a_weight_is_packed_once_per_kernel(monkeypatch):
+    """A bf16 module switched between batch-invariant and not (the bench's two rows), and between
+    a full residual and one row broadcast (which only oneDNN takes, where the CPU has the AMX
+    kernel), packs its weight once for each kernel it runs, not again at every switch."""
     packs = []
     real = gemm._packed
     monkeypatch.setattr(gemm, "_packed", lambda *args: packs.append(args[-1]) or real(*args))
     torch.manual_seed(0)
     config = BertConfig(batch_invariant=True)
-    layer, x = RowStableLinear(384, 1536, config).bfloat16(), torch.randn(64, 384).bfloat16()
+    layer, x = RowStableLinear(384, 384, config).bfloat16(), torch.randn(64, 384).bfloat16()
+    full, one_row = torch.randn(64, 384).bfloat16(), torch.randn(1, 384).bfloat16()
     with torch.inference_mode():
         for invariant in (True, False, True, False):
             config.batch_invariant = invariant
-            layer(x)
-    assert len(packs) == len(set(packs)) <= 2
+            layer(x, residual=full)
+            layer(x, residual=one_row)
+    assert len(packs) == len(set(packs)) and set(packs) <= {"amx", "onednn"}
 
 
 def test_a_model_that_ran_copies_and_pickles():
@@ -161,7 +164,7 @@ def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant, bf16_ke
     and an activation oneDNN has no post-op for (after the GEMM): each within the dtype's
     tolerance of `F.linear` and the op, and, batch-invariant, with a row's bits independent of
     the row count."""
-    if bf16_kernel != "default" and not (dtype == torch.bfloat16 and invariant):
+    if bf16_kernel != "default" and dtype != torch.bfloat16:
         pytest.skip("one kernel")
     torch.manual_seed(0)
     layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=invariant)).to(dtype)
