@@ -14,8 +14,9 @@ AVX-512 and AMX (README, "Same text, same bits"):
   AMX-BF16, bf16 GEMMs run on a kernel of our own instead (csrc/amx_linear.c, `_amx_linear`):
   one call for all rows, each 32 x 32 block of the output summed over K in one fixed order by
   one thread, so that a row's bits depend on nothing else by construction (the packed rows are
-  a multiple of `AMX_ROW_STEP`). It was also faster than one oneDNN call on all the rows in
-  the model (README, "Speed"), so `batch_invariant=False` runs it too. Elsewhere, and for
+  a multiple of `AMX_ROW_STEP`). In the model it was also faster than one oneDNN call on all
+  the rows but for bert-base at 1 thread (README, "Speed"), so `batch_invariant=False` runs it
+  too. Elsewhere, and for
   layers whose in or out is not a multiple of 32, batch-invariant bf16 GEMMs run on oneDNN in
   blocks of exactly `BF16_ROW_BLOCK` rows: every call has one shape, hence one kernel,
   whatever the batch (a row's place in the block does not change its bits). Those blocks cost
