@@ -1,4 +1,4 @@
-/* bf16 dense layers on Intel AMX (bert_port/gemm.py, `amx_linear`): y = act(x W^T + b) + r for
+/* bf16 dense layers on Intel AMX (bert_port/gemm.py, `_amx_linear`): y = act(x W^T + b) + r for
  * packed rows x (N, K), in one call for all N rows, with a row's bits independent of N and of the
  * thread count by construction.
  *
@@ -8,7 +8,7 @@
  * each row of a tile on its own). oneDNN, the alternative, picks its blocking of K by N and had to
  * be called on fixed blocks of 128 rows for that guarantee (gemm.py).
  *
- * The weight is packed once (`amx_pack_weight` in gemm.py, a torch permute) into the tiles
+ * The weight is packed once (`_amx_pack` in gemm.py, a torch permute) into the tiles
  * TDPBF16PS reads: for each 16 columns, for each step of 32 along K, 16 rows of 16 column pairs of
  * consecutive k (VNNI). The epilogue runs on the float32 accumulator: the bias, then GELU (erf) or
  * ReLU, then the residual, then one rounding to bf16 (to nearest even), as oneDNN's post-ops do.
@@ -154,8 +154,7 @@ static void task(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wp, 
 /* x (N, K) bf16, row stride ldx; wp the packed weight of M outputs; bias (M) float32 or NULL;
  * act one of ACT_*; res (N, M) bf16, row stride ldr, or NULL; out (N, M) bf16, row stride ldo.
  * N, K and M must be multiples of 32, cols of 32 and at most MAX_COLS: the columns of y in one
- * task. Returns
- * 0, or -1 (nothing written) for shapes or strides it does not take. */
+ * task. Returns 0, or -1 (nothing written) for shapes or strides it does not take. */
 #define MAX_COLS 256
 int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
