@@ -16,22 +16,23 @@ AVX-512 and AMX (README, "Same text, same bits"):
   one thread, so that a row's bits depend on nothing else by construction (the packed rows are
   a multiple of `AMX_ROW_STEP`). In the model it was also faster than one oneDNN call on all
   the rows but for bert-base at 1 thread (README, "Speed"), so `batch_invariant=False` runs it
-  too. Elsewhere, and for
-  layers whose in or out is not a multiple of 32, batch-invariant bf16 GEMMs run on oneDNN in
-  blocks of exactly `BF16_ROW_BLOCK` rows: every call has one shape, hence one kernel,
-  whatever the batch (a row's place in the block does not change its bits). Those blocks cost
-  bf16 a good part of its speed, most at 2 threads, where a block of 128 rows is little work
-  to split; `batch_invariant=False` runs all the rows in one oneDNN call there.
+  too. Elsewhere, and for layers whose in or out is not a multiple of 32, batch-invariant bf16
+  GEMMs run on oneDNN in blocks of exactly `BF16_ROW_BLOCK` rows: every call has one shape,
+  hence one kernel, whatever the batch (a row's place in the block does not change its bits).
+  Those blocks cost bf16 a good part of its speed, most at 2 threads, where a block of 128 rows
+  is little work to split; `batch_invariant=False` runs all the rows in one oneDNN call there.
 
-The prepacked weight is cached on the module, keyed on the weight's storage, version
-counter, dtype and the thread count, and dropped when a gradient is accumulated into the
-weight: fused optimisers update weights in place without bumping the version counter.
+The prepacked weight is cached on the module, one per kernel (oneDNN's, AMX's), keyed on the
+weight's storage, version counter, dtype and (oneDNN's) the thread count, and dropped when a
+gradient is accumulated into the weight: fused optimisers update weights in place without
+bumping the version counter.
 `clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it).
 Under bf16 autocast the GEMMs run in bf16 here, as `F.linear` would. Training, autograd,
 other dtypes, other devices and a torch without oneDNN take `F.linear`.
 
 What follows a dense layer runs in the GEMM's epilogue here, in inference: the FFN's
-activation (`F.gelu` and `F.relu`, as oneDNN post-ops; in fp32 the bits of ATen's) and the
+activation (`F.gelu` and `F.relu`, as oneDNN post-ops or in the AMX kernel's epilogue; in fp32
+the bits of ATen's) and the
 residual addition of `BertLayer.add_norm` (a binary post-op). Each is elementwise, so a row's
 bits still do not depend on the others, and each saves a pass over the (N, M) output. The
 packed path makes its rows a multiple of `row_multiple` once per batch (`BertModel.encode`), so
