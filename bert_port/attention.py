@@ -138,7 +138,7 @@ def _native_attention(
             torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError(f"attention: no memory for the scratch of {torch.get_num_threads()} threads")
+            raise MemoryError("attention: no thread could allocate its scratch (no memory)")
     with torch.autocast(qkv.device.type, enabled=False):
         for start, L in zip(packing.starts, seqlens):
             if L >= FLASH_MIN_LEN:

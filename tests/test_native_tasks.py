@@ -36,7 +36,9 @@ SCRIPT = textwrap.dedent(
         with torch.inference_mode():
             outputs[threads] = (attention.packed_attention(qkv, packing, 2, 0.2), layer(x, activation=F.gelu))
     assert torch.get_num_threads() == 3
-    assert all(torch.equal(a, b) for a, b in zip(outputs[1], outputs[3])), "a range was not taken"
+    assert torch.equal(outputs[1][0], outputs[3][0]), "a range of the attention was not taken"
+    # (oneDNN, where the AMX kernel does not run, may give other bits at another thread count)
+    assert gemm._amx() is None or torch.equal(outputs[1][1], outputs[3][1]), "a range of the GEMM was not taken"
     print("amx", gemm._amx() is not None)
     """
 )

@@ -151,6 +151,12 @@ static void task(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wp, 
   epilogue(acc + (cols - 32) * 32, r, c0 + cols - 32, 0, 32, e); /* the last block's */
 }
 
+/* The 32-row block where thread k's rows begin: ATen's split of the N rows (tasks.h), to the
+ * nearest block. */
+static int64_t block_start(int64_t N, int threads, int k) {
+  return k == threads ? N / 32 : (split_start(N, threads, k) + 16) / 32;
+}
+
 /* x (N, K) bf16, row stride ldx; wp the packed weight of M outputs; bias (M) float32 or NULL;
  * act one of ACT_*; res (N, M) bf16, row stride ldr, or NULL; out (N, M) bf16, row stride ldo.
  * N, K and M must be multiples of 32, cols of 32 and at most MAX_COLS: the columns of y in one
@@ -167,7 +173,7 @@ int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint1
   const int64_t blocks = N / 32, chunks = (M + cols - 1) / cols;
   struct task_range ranges[threads];
   for (int k = 0; k < threads; k++) {
-    const int64_t first = split_start(blocks, threads, k), rows = split_start(blocks, threads, k + 1) - first;
+    const int64_t first = block_start(N, threads, k), rows = block_start(N, threads, k + 1) - first;
     ranges[k] = (struct task_range){.next = 0, .end = rows * chunks, .first = first, .rows = rows};
   }
   const struct epilogue_args e = {bias, act, res, ldr, out, ldo};

@@ -180,10 +180,11 @@ static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, in
 }
 
 /* qkv (N, 3H) rows of nseq packed sequences, sequence t at rows starts[t] .. starts[t] + lens[t]
- * (starts ascending); float32 (bf16 = 0) or bf16 (bf16 = 1), row stride ld. Writes each
- * sequence's context to the same rows of out (N, H), row stride ldo, in the same dtype; other
- * rows are left alone. Returns 0, or -1 when a thread's scratch could not be allocated (out is
- * then incomplete). Each thread starts on the sequences in its own rows as ATen splits the N rows
+ * (ascending for row affinity; any order is correct); float32 (bf16 = 0) or bf16 (bf16 = 1), row
+ * stride ld. Writes each sequence's context to the same rows of out (N, H), row stride ldo, in
+ * the same dtype; other rows are left alone. Returns 0, or -1 when no thread could allocate its
+ * scratch (out is then incomplete; a thread without one takes no task, the others take its
+ * range). Each thread starts on the sequences in its own rows as ATen splits the N rows
  * (tasks.h), where the layer's other ops leave them in its cache. */
 int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *starts, const int64_t *lens, int64_t nseq,
                      int64_t N, int64_t heads, int64_t hs, float scale, void *out, int64_t ldo, int threads) {
@@ -193,27 +194,28 @@ int packed_attention(const void *qkv, int bf16, int64_t ld, const int64_t *start
   const size_t bytes = (size_t)layout_of(max_len, hs).floats * sizeof(float);
   if (threads < 1) return -1;
   struct task_range ranges[threads];
-  for (int k = 0, t = 0; k < threads; k++) {
+  int64_t t = 0;
+  for (int k = 0; k < threads; k++) {
     const int64_t first = t;
     while (t < nseq && (k == threads - 1 || starts[t] < split_start(N, threads, k + 1))) t++;
     ranges[k] = (struct task_range){.next = 0, .end = (t - first) * heads, .first = first, .rows = t - first};
   }
-  int failed = 0;
+  int allocated = 0;
 #pragma omp parallel num_threads(threads)
   {
     float *scratch = aligned_alloc(64, round_up(bytes, 64));
-    if (!scratch) {
-#pragma omp atomic write
-      failed = 1;
+    if (scratch) {
+#pragma omp atomic
+      allocated++;
     }
     int cursor = 0, k;
-    for (int64_t task; (task = next_task(ranges, threads, omp_get_thread_num(), &cursor, &k)) >= 0;) {
+    for (int64_t task; scratch && (task = next_task(ranges, threads, omp_get_thread_num(), &cursor, &k)) >= 0;) {
       const int64_t t = ranges[k].first + task / heads, h = task % heads;
-      if (scratch && lens[t] > 0)
+      if (lens[t] > 0)
         head((const char *)qkv + (starts[t] * ld + h * hs) * size, bf16, ld, H, lens[t], hs, scale,
              (char *)out + (starts[t] * ldo + h * hs) * size, ldo, scratch);
     }
     free(scratch);
   }
-  return failed ? -1 : 0;
+  return allocated ? 0 : -1;
 }

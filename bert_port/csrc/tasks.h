@@ -21,8 +21,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 struct task_range {
   int64_t next, end;       /* tasks next..end-1 of this range are left (next may overshoot end) */
   int64_t first, rows;     /* the range's first item (row block, sequence) and its count */
-  char pad[64 - 4 * 8];    /* one cache line per range: the counters of two threads do not share one */
-};
+} __attribute__((aligned(64))); /* one cache line per range: two threads' counters never share one */
 
 /* The next task for thread `tid` of `threads` ranges: from its own range, then from the others in
  * turn; -1 when none is left. `*range` is the range the task came from (task counts within it);
