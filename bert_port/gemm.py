@@ -127,7 +127,7 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
 def _amx():
     """The AMX kernels (csrc/amx_linear.c), where this CPU and its compiler have AMX-BF16 and
     the kernel is allowed its tile state (`amx_ready`); else None. Built only on such a CPU."""
-    if not {"amx_bf16", "amx_tile"} <= set(native.cpu_flags()):
+    if not {"amx_bf16", "amx_tile"} <= native.cpu_flags():
         return None
     kernels = native.amx_linear()
     return kernels if kernels is not None and kernels.amx_ready() else None
@@ -233,6 +233,15 @@ def _packed(layers, stacked: bool, dtype: torch.dtype, kernel: str) -> tuple[Ten
     return _pack(weight.to(dtype)), bias
 
 
+def _pad_rows(x: Tensor, residual: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+    """x (N, K) and the residual (N, M), if any, made up to a multiple of `step` rows by zero rows
+    (which the callers drop from the output)."""
+    extra = -x.shape[0] % step
+    if not extra:
+        return x, residual
+    return F.pad(x, (0, 0, 0, extra)), None if residual is None else F.pad(residual, (0, 0, 0, extra))
+
+
 def _rows(t: Tensor) -> Tensor:
     """t (N, C) with rows the kernel can step through: unit column stride, rows apart by at least C
     (not an expanded view)."""
@@ -255,10 +264,8 @@ def _amx_linear(
     """bf16 rows x (N, k) through the AMX kernel, in one call: rows made up to a multiple of
     `AMX_ROW_STEP` by zero rows (none on the packed path), which are dropped."""
     n, k = x.shape
-    rows = -(-n // AMX_ROW_STEP) * AMX_ROW_STEP
-    if rows != n:
-        x = F.pad(x, (0, 0, 0, rows - n))
-        residual = None if residual is None else F.pad(residual, (0, 0, 0, rows - n))
+    x, residual = _pad_rows(x, residual, AMX_ROW_STEP)
+    rows = x.shape[0]
     x, residual = _rows(x), None if residual is None else _rows(residual)
     out = torch.empty(rows, m, dtype=torch.bfloat16)
     failed = _amx().amx_linear(
@@ -278,11 +285,9 @@ def _onednn_linear(
     a multiple of `block` or `FP32_ROW_STEP` by zero rows (none on the packed path, whose rows
     are a multiple already), which are dropped. `post_op` is an activation of `POST_OPS` or
     ("none", ""); `residual` (N, M) is added in the epilogue instead."""
-    n, step = x.shape[0], block or FP32_ROW_STEP
-    rows = -(-n // step) * step
-    if rows != n:
-        x = F.pad(x, (0, 0, 0, rows - n))
-        residual = None if residual is None else F.pad(residual, (0, 0, 0, rows - n))
+    n = x.shape[0]
+    x, residual = _pad_rows(x, residual, block or FP32_ROW_STEP)
+    rows = x.shape[0]
     blocks = x.split(block) if block else (x,)
     if residual is None:
         out = [torch.ops.mkldnn._linear_pointwise(b, packed, bias, post_op[0], [], post_op[1]) for b in blocks]

@@ -1,7 +1,8 @@
 """Small C kernels (`bert_port/csrc/`), compiled on first use with the system's C compiler and
 called through ctypes: `int8_rows()`, the per-row quantize and dequantize around int8 matmuls
-(`quantization.Int8Linear`), and `attention()`, the attention of every short sequence of a
-packed batch in one call (`attention.packed_attention`).
+(`quantization.Int8Linear`), `attention()`, the attention of every short sequence of a packed
+batch in one call (`attention.packed_attention`), and `amx_linear()`, bf16 GEMMs on AMX tiles
+(`gemm.py`). They share `csrc/vector.h` (vectors, bf16, exp) and `csrc/tasks.h` (work sharing).
 
 Why not torch.utils.cpp_extension: it builds a Python extension against torch's C++ headers,
 which takes tens of seconds and needs ninja, for plain loops over float rows that need
@@ -37,8 +38,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-# No fused multiply-add (int8's PyTorch fallback rounds each product), except in attention, whose
-# PyTorch path gives other bits anyway (another summation order) and which runs faster with it.
+# No fused multiply-add (int8's PyTorch fallback rounds each product), except in attention and the
+# AMX GEMM's epilogue, whose bits are their own anyway (another summation order, another erf) and
+# which run faster with it.
 # OpenMP when torch's own runtime is OpenMP. The library then links libgomp.so.1, which resolves
 # to the copy torch loaded (the pip wheels ship it under that name): one thread pool. Each call
 # passes torch.get_num_threads() as its thread count.
@@ -136,12 +138,13 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
 
 
-def cpu_flags() -> list[str]:
-    """This CPU's flags as /proc/cpuinfo lists them (x86 `flags`, Arm `Features`); [] where unknown."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (x86 `flags`, Arm `Features`); empty
+    where unknown."""
     for line in _cpu_id().splitlines():
         if line.split(":")[0].strip() in ("flags", "Features"):
-            return line.split(":", 1)[1].split()
-    return []
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def _compiler_id(cc: list[str]) -> str:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..assets import config_dir
+from ..native import cpu_flags
 
 CONFIGS = config_dir()  # the real HF configs: configs/ in a checkout, package data in a wheel
 
@@ -138,15 +139,6 @@ def config_override(model, **fields):
 
 
 # -- the machine --------------------------------------------------------------------------
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")

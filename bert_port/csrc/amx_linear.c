@@ -16,7 +16,6 @@
  * Built by bert_port/native.py with -march=native. Where the compiler does not target AMX (a CPU
  * without it), `amx_ready` returns 0 and gemm.py never calls `amx_linear`. */
 #include <stdint.h>
-#include <string.h>
 
 #include "tasks.h"
 #include "vector.h"
