@@ -105,6 +105,29 @@ def test_a_weight_is_packed_once_per_kernel(monkeypatch):
     assert len(packs) == len(set(packs)) and set(packs) <= {"amx", "onednn"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_thread_count_change_does_not_pack_again(dtype, monkeypatch):
+    """`--threads auto` moves the thread count between batches: the weight packed at one count
+    serves the others (ideep reorders it in the call where a count wants another layout), and
+    computes the same linear at each."""
+    packs = []
+    real = gemm._packed
+    monkeypatch.setattr(gemm, "_packed", lambda *args: packs.append(args[-1]) or real(*args))
+    torch.manual_seed(0)
+    layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=True)).to(dtype)
+    x = torch.randn(96, 384).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    previous = torch.get_num_threads()
+    try:
+        for threads in (2, 1, 2, 1):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                torch.testing.assert_close(layer(x).float(), expected, **TOL[dtype])
+    finally:
+        torch.set_num_threads(previous)
+    assert len(packs) == 1
+
+
 def test_a_model_that_ran_copies_and_pickles():
     """The cached packed weight is an opaque oneDNN tensor: copies and pickles leave it out."""
     import copy
