@@ -29,14 +29,16 @@ test-fast: setup
 
 # The parity verdict must not depend on the CPU: the fp32 parity check and the parity test
 # files again under other kernel families, which round float32 sums differently. KERNELS
-# names them: default (ATen's generic kernels), avx2 (ATen's AVX2 kernels) and onednn
-# (oneDNN and MKL capped at AVX2). CI runs the generic ones.
+# names them: default (ATen's generic kernels, our C kernels built for x86-64: SSE2, no FMA),
+# avx2 (ATen's AVX2 kernels, our C kernels for x86-64-v3: AVX2 and FMA, as an AMD EPYC of
+# Zen 2/3 has) and onednn (oneDNN and MKL capped at AVX2). CI runs the generic ones.
 KERNELS      ?= default avx2 onednn
 PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert_numerics.py \
                 tests/test_bert.py tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
-                tests/test_classifier.py tests/test_heads.py tests/test_sentence.py tests/test_batch_invariance.py tests/test_preln.py tests/test_gemm.py
-ENV_default  := ATEN_CPU_CAPABILITY=default
-ENV_avx2     := ATEN_CPU_CAPABILITY=avx2
+                tests/test_classifier.py tests/test_heads.py tests/test_sentence.py tests/test_batch_invariance.py tests/test_preln.py tests/test_gemm.py \
+                tests/test_native_attention.py tests/test_quantization.py
+ENV_default  := ATEN_CPU_CAPABILITY=default BERT_PORT_MARCH=x86-64
+ENV_avx2     := ATEN_CPU_CAPABILITY=avx2 BERT_PORT_MARCH=x86-64-v3
 ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-kernels: setup
 	$(foreach k,$(KERNELS),echo "== kernel family $(k): $(ENV_$(k))" && \

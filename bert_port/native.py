@@ -14,7 +14,8 @@ code runs only where it was built), and by a hash of its own bytes, checked befo
 place, so that a crash or a second process building at the same time never leaves a partial
 library behind. Anything that goes wrong (no compiler, a failed build, a library that does not
 load) is warned about once, and the callers fall back to PyTorch ops, which compute the same
-scheme. `BERT_PORT_NATIVE=0` turns the kernels off.
+scheme. `BERT_PORT_NATIVE=0` turns the kernels off; `BERT_PORT_MARCH` builds them for another
+instruction set than this CPU's (`march`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 # OpenMP when torch's own runtime is OpenMP. The library then links libgomp.so.1, which resolves
 # to the copy torch loaded (the pip wheels ship it under that name): one thread pool. Each call
 # passes torch.get_num_threads() as its thread count.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
 OWN_FLAGS = {
     "attention": ("-ffp-contract=fast",),
     "amx_linear": ("-ffp-contract=fast",),
@@ -124,8 +125,18 @@ def compiler() -> list[str] | None:
     return [found] if found else None
 
 
+def march() -> str:
+    """The instruction set the kernels are built for: `-march=$BERT_PORT_MARCH`, default `native`
+    (this CPU's). `make test-kernels` builds them for `x86-64-v3` (AVX2 and FMA, as on the AMD
+    EPYCs of the README) and `x86-64` (SSE2) too, so that code the compiler vectorises otherwise
+    than here is tested on this CPU. Code built for another CPU's extensions may not run here:
+    leave it unset outside such tests."""
+    return os.environ.get("BERT_PORT_MARCH", "").strip() or "native"
+
+
 def _flags(name: str) -> tuple[str, ...]:
-    return CFLAGS + OWN_FLAGS.get(name, ()) + (("-fopenmp",) if torch._C.has_openmp else ())
+    openmp = ("-fopenmp",) if torch._C.has_openmp else ()
+    return (*CFLAGS, f"-march={march()}", *OWN_FLAGS.get(name, ()), *openmp)
 
 
 def _cpu_id() -> str:
