@@ -120,6 +120,20 @@ def test_a_changed_header_builds_again(fresh_kernels, tmp_path, monkeypatch):
     assert first != second and first.exists() and second.exists()
 
 
+
+@needs_kernels
+@pytest.mark.skipif(native.platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_another_instruction_set_builds_its_own_library(fresh_kernels, monkeypatch):
+    """`BERT_PORT_MARCH` (make test-kernels' AVX2 and SSE2 builds) is part of the key: a
+    library of its own beside the native one, never the native one under its name."""
+    monkeypatch.delenv("BERT_PORT_MARCH", raising=False)
+    native_build = native._build("int8_rows", native.compiler())
+    assert "-march=native" in native._flags("int8_rows")
+    monkeypatch.setenv("BERT_PORT_MARCH", "x86-64")
+    other = native._build("int8_rows", native.compiler())
+    assert "-march=x86-64" in native._flags("int8_rows")
+    assert other != native_build and native_build.exists()
+
 @needs_kernels
 def test_a_corrupt_cached_library_is_built_again(fresh_kernels):
     """Truncated, as by a copy onto a full disk: dlopen would crash on it, not refuse it."""
