@@ -120,7 +120,6 @@ def test_a_changed_header_builds_again(fresh_kernels, tmp_path, monkeypatch):
     assert first != second and first.exists() and second.exists()
 
 
-
 @needs_kernels
 @pytest.mark.skipif(native.platform.machine() != "x86_64", reason="x86-64 instruction sets")
 def test_another_instruction_set_builds_its_own_library(fresh_kernels, monkeypatch):
@@ -133,6 +132,7 @@ def test_another_instruction_set_builds_its_own_library(fresh_kernels, monkeypat
     other = native._build("int8_rows", native.compiler())
     assert "-march=x86-64" in native._flags("int8_rows")
     assert other != native_build and native_build.exists()
+
 
 @needs_kernels
 def test_a_corrupt_cached_library_is_built_again(fresh_kernels):
