@@ -230,7 +230,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
     report.section(
         f"real text: all-MiniLM-L6-v2 on {n} random batches of {args.batch_size} MR sentences (real length mean "
         f"{lens.mean():.1f}, max {lens.max():.0f}; {100 * (1 - real):.0f}% padding), {args.reps} interleaved "
-        "repetitions; real tokens/s"
+        f"repetitions at {torch.get_num_threads()} thread(s); real tokens/s"
     )
     ours = BertModel.from_pretrained(path, device=device)
     ref = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").to(device).eval()
@@ -266,6 +266,20 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
             report,
         )
     return result
+
+
+def section_real_text_one_thread(args, device: torch.device, bf16: bool, report) -> dict[str, Any]:
+    """The real-text section again at 1 thread, peers included (issue 25's goals hold at 1 and
+    at 2 threads), where the bench runs on the CPU at more; the thread count is put back."""
+    saved = torch.get_num_threads()
+    if device.type != "cpu" or saved == 1:
+        report.line("real text at 1 thread: skipped (the section above ran at 1 thread, or on the GPU)")
+        return {}
+    torch.set_num_threads(1)
+    try:
+        return section_real_text(args, device, bf16, report)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def bf16_rows(title, ours, ref, reference, batches, args, device, report, path=None) -> dict[str, Any]:

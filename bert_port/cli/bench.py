@@ -3,7 +3,8 @@
 parity of every speed row beside it.
 
 Sections (`bert_port/bench/`): import time, matmul roofline, real text (all-MiniLM-L6-v2 on
-MR batches: fp32 with the peers, bf16 where the CPU has native bf16), int8 (the port's against
+MR batches: fp32 with the peers, bf16 where the CPU has native bf16; `real1`: the same again
+at 1 thread, where the bench runs at more), int8 (the port's against
 CTranslate2's and ONNX Runtime's, at 1 and 2 threads, with accuracy columns), busy neighbour
 (the kept share of each system's throughput with one CPU held by a shell loop), fixed length
 (bert-base shape), checkpoint load time and peak RSS, the fine-tuning step; with
@@ -24,7 +25,7 @@ import torch
 
 from bert_port.extras import MissingExtra
 
-SECTIONS = ("import", "roofline", "real", "int8", "busy", "fixed", "load", "finetune")
+SECTIONS = ("import", "roofline", "real", "real1", "int8", "busy", "fixed", "load", "finetune")
 PEERS = ("ctranslate2", "onnxruntime", "sentence-transformers")
 QUICK_PEERS = ("ctranslate2", "sentence-transformers")
 
@@ -168,6 +169,7 @@ def _sections(args, device, bf16, report) -> dict[str, Any]:
         "import": lambda: import_time.section_import(1 if args.quick else 3, report),
         "roofline": lambda: throughput.section_roofline(device, args.quick, bf16, report),
         "real": lambda: throughput.section_real_text(args, device, bf16, report),
+        "real1": lambda: throughput.section_real_text_one_thread(args, device, bf16, report),
         "int8": lambda: int8.section_int8(args, device, report),
         "busy": lambda: busy.section_busy(args, device, bf16, report),
         "fixed": lambda: throughput.section_fixed(args, device, bf16, report),
