@@ -116,6 +116,9 @@ def test_a_thread_count_change_does_not_pack_again(dtype, monkeypatch):
     torch.manual_seed(0)
     layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=True)).to(dtype)
     x = torch.randn(96, 384).to(dtype)
+    with torch.inference_mode():
+        if gemm.row_stable_dtype(x, layer.weight) is None:
+            pytest.skip(f"{dtype} takes F.linear here (no native bf16 in oneDNN): nothing is packed")
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     previous = torch.get_num_threads()
     try:
