@@ -40,8 +40,13 @@ PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_opt
 ENV_default  := ATEN_CPU_CAPABILITY=default BERT_PORT_MARCH=x86-64
 ENV_avx2     := ATEN_CPU_CAPABILITY=avx2 BERT_PORT_MARCH=x86-64-v3
 ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# Where there is a C compiler, the kernels must build under each family (a failed build would
+# only warn, and the tests would run the PyTorch path instead).
+KERNELS_BUILT := from bert_port import native; \
+  assert native.compiler() is None or (native.attention() and native.int8_rows()), 'C kernels did not build'
 test-kernels: setup
 	$(foreach k,$(KERNELS),echo "== kernel family $(k): $(ENV_$(k))" && \
+	  env $(ENV_$(k)) $(PY) -W error::RuntimeWarning -c "$(KERNELS_BUILT)" && \
 	  env $(ENV_$(k)) $(VENV)/bin/bert-port-parity --device cpu --dtype float32 --no-progress && \
 	  env $(ENV_$(k)) $(PY) -m pytest -q $(PARITY_TESTS) && ) true
 

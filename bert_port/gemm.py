@@ -26,12 +26,10 @@ The prepacked weight is cached on the module, one per kernel (oneDNN's, AMX's), 
 weight's storage, version counter and dtype, and dropped when a gradient is accumulated into
 the weight: fused optimisers update weights in place without bumping the version counter. The
 thread count is not in the key: `--threads auto` (`threads.ThreadGovernor`) moves it between
-batches, and a key on it packed every weight again at each move, 12% of a 1-thread pass over
-the MR batches when the count changed at every batch (the busy-neighbour bench, whose auto row
-shares the model with a 2-thread row). On the AMX Xeon a oneDNN weight packed at 1 or 2 threads
-has the same layout and gives the same bits and speed at either count; where a CPU's oneDNN
-wants another layout at another count, ideep reorders the weight in the call (the same values:
-slower, not wrong).
+batches, and a key on it packed every weight again at each move (README, "What moved"). On the
+AMX Xeon a weight packed at 1 or 2 threads gives the same bits at the same speed at either
+count. A CPU whose oneDNN would lay a weight out otherwise at another count gets a kernel for
+the layout it was packed in: the same values, perhaps slower.
 `clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it).
 Under bf16 autocast the GEMMs run in bf16 here, as `F.linear` would. Training, autograd,
 other dtypes, other devices and a torch without oneDNN take `F.linear`.
@@ -66,10 +64,8 @@ from . import native
 # oneDNN (through torch's ideep) keeps a compiled kernel per GEMM shape, up to 1024 of them
 # (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
 # command's memory by 200 MiB over 20,000 texts. Row counts in steps of FP32_ROW_STEP (and
-# bf16's one block shape) keep those kernels few; zero rows cost at most a step a call. Of 64, 32,
-# 16 and 8, 32 was the fastest at 1 and 2 threads on the MR batches of the bench (2-3% over 64,
-# 1.7% fewer rows); a new row count costs oneDNN 1-2 ms once, and 256 shapes took no more memory
-# than 128 (2-core AMX Xeon, MiniLM's four fp32 layers).
+# bf16's one block shape) keep those kernels few; zero rows cost at most a step a call. 32: the
+# fastest of 64, 32, 16 and 8 on the bench's MR batches (README, "What moved").
 FP32_ROW_STEP = 32
 BF16_ROW_BLOCK = 128  # of 32, 64, 128 and 256, the fastest on MR batches (about 900 rows)
 AMX_ROW_STEP = 32  # rows of the AMX kernel's blocks (csrc/amx_linear.c)

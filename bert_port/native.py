@@ -224,7 +224,8 @@ def kernels(name: str) -> ctypes.CDLL | None:
     except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a $CC shlex cannot split
         why = str(exc) if cc is None else f"could not build its {name} kernels ({exc})"
         warnings.warn(
-            f"bert_port: {why}; running the slower PyTorch equivalent. Set BERT_PORT_NATIVE=0 to silence this",
+            f"bert_port: {why}; running the slower PyTorch equivalent. Set BERT_PORT_NATIVE=0 to silence this"
+            + (f" (BERT_PORT_MARCH is {march()!r})" if march() != "native" else ""),
             RuntimeWarning,
             stacklevel=3,
         )

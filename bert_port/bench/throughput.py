@@ -273,7 +273,7 @@ def section_real_text_one_thread(args, device: torch.device, bf16: bool, report)
     at 2 threads), where the bench runs on the CPU at more; the thread count is put back."""
     saved = torch.get_num_threads()
     if device.type != "cpu" or saved == 1:
-        report.line("real text at 1 thread: skipped (the section above ran at 1 thread, or on the GPU)")
+        report.line("real text at 1 thread: skipped (the bench runs at 1 thread, or on the GPU)")
         return {}
     torch.set_num_threads(1)
     try:

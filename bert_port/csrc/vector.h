@@ -1,5 +1,5 @@
 /* What the C kernels share: 16-float vectors (GCC vector extensions rather than intrinsics: the
- * compiler maps them to AVX-512, AVX2 or SSE, whatever -march=native has), bf16 conversions and
+ * compiler maps them to AVX-512, AVX2 or SSE, whatever native.py's -march has), bf16 conversions and
  * exp. native.py builds each kernel with this header's text in its cache key. */
 #ifndef BERT_PORT_VECTOR_H
 #define BERT_PORT_VECTOR_H
