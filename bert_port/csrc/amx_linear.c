@@ -13,8 +13,9 @@
  * consecutive k (VNNI). The epilogue runs on the float32 accumulator: the bias, then GELU (erf) or
  * ReLU, then the residual, then one rounding to bf16 (to nearest even), as oneDNN's post-ops do.
  *
- * Built by bert_port/native.py for this CPU (-march=native, or $BERT_PORT_MARCH). Where the compiler does not target AMX (a CPU
- * without it), `amx_ready` returns 0 and gemm.py never calls `amx_linear`. */
+ * Built by bert_port/native.py for this CPU (-march=native, or $BERT_PORT_MARCH). Where the
+ * compiler does not target AMX (a CPU without it), `amx_ready` returns 0 and gemm.py never calls
+ * `amx_linear`. */
 #include <stdint.h>
 
 #include "tasks.h"
