@@ -146,18 +146,18 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     table = md.read_text()
     assert "ctranslate2: not installed (ctranslate2): pip install 'bert-port[bench]'" in table
     assert "| port |" in table and "| transformers (sdpa), fp32 |" in table and "Machine:" in table
-    rows = json.loads(js.read_text())["real"]["fp32"]["rows"]
+    results = json.loads(js.read_text())
+    rows = results["real"]["fp32"]["rows"]
     invariance_off = "port, batch_invariant=False"  # what batch invariance costs, timed in the same run
     assert set(rows) == {"transformers (sdpa), fp32", "port", "port padded (unpad_inputs=False)", invariance_off}
     assert rows["port padded (unpad_inputs=False)"]["max_abs_diff_vs_transformers_fp32"] == 0.0
     assert "port vs port, batch_invariant=False: " in table
-    results = json.loads(js.read_text())
     if results["machine"]["torch_threads"] > 1:  # real text again at 1 thread: the same rows
         assert set(results["real1"]["fp32"]["rows"]) == set(rows)
         assert "repetitions at 1 thread(s); real tokens/s" in table
     else:
         assert "real text at 1 thread: skipped" in table
-    busy = json.loads(js.read_text())["busy"]["rows"]  # the busy-neighbour section, with its loop
+    busy = results["busy"]["rows"]  # the busy-neighbour section, with its loop
     assert set(busy) == {"transformers (sdpa), fp32", "port, fp32", "port, fp32, --threads auto"}
     assert all(0 < r["kept"] for r in busy.values()) and "kept share" in table
 

@@ -108,8 +108,8 @@ def test_a_weight_is_packed_once_per_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_thread_count_change_does_not_pack_again(dtype, monkeypatch):
     """`--threads auto` moves the thread count between batches: the weight packed at one count
-    serves the others (ideep reorders it in the call where a count wants another layout), and
-    computes the same linear at each."""
+    serves the others (where a count would lay it out otherwise, oneDNN runs a kernel for the
+    packed layout), and computes the same linear at each."""
     packs = []
     real = gemm._packed
     monkeypatch.setattr(gemm, "_packed", lambda *args: packs.append(args[-1]) or real(*args))
