@@ -181,3 +181,26 @@ def test_a_jit_trace_records_the_pytorch_path():
     with torch.no_grad():
         traced = torch.jit.trace(lambda x: attention.packed_attention(x, packing, 2, 0.3), qkv, check_trace=False)
         torch.testing.assert_close(traced(other), attention.packed_attention(other, packing, 2, 0.3))
+
+
+@needs_kernel
+@pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= native.cpu_flags(), reason="needs AVX-512 and AVX2 with FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_gives_the_avx512_builds_bits(dtype, tmp_path, monkeypatch):
+    """csrc/vector.h sizes its vectors to the instruction set (16 floats with AVX-512, 8 with AVX2):
+    the sums run in the same order at either width, so both builds (both with FMA) give the same
+    bits, head sizes of whole vectors (the transposing path) and others alike."""
+    monkeypatch.setenv("BERT_PORT_CACHE", str(tmp_path))
+    results = []
+    for march in ("x86-64-v4", "x86-64-v3"):
+        monkeypatch.setenv("BERT_PORT_MARCH", march)
+        native.kernels.cache_clear()
+        results.append([])
+        for head_size in (32, 40):
+            qkv, packing = packed_qkv([1, 5, 17, 33, 60], 3, head_size, dtype)
+            with torch.inference_mode():
+                results[-1].append(attention.packed_attention(qkv, packing, 3, head_size**-0.5))
+    native.kernels.cache_clear()
+    assert len(list((tmp_path / "native").iterdir())) == 2  # two builds, one per instruction set
+    for wide, narrow in zip(*results):
+        assert torch.equal(wide, narrow)

@@ -34,9 +34,10 @@ static inline void row_to_float(float *dst, const void *src, int64_t at, int64_t
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* One thread's scratch for a sequence of L tokens, in floats: q transposed (hs, Lp) at 0, k (Lr, hs)
+/* One thread's scratch for a sequence of L tokens, in floats: q transposed (hs, Lp) at 0, k (L, hs)
  * at k, v (L, hp) at v and the scores transposed (Lr, Lp) at st, each a multiple of W (aligned);
- * `floats` in all, which grows with L (a scratch sized for the longest sequence fits every one). */
+ * `floats` in all, which grows with L (a scratch sized for the longest sequence fits every one).
+ * k and v are copies where the head is bf16 or its size not a multiple of W (see `head`). */
 struct layout {
   int64_t Lr, Lp, hp, k, v, st, floats;
 };
@@ -44,19 +45,22 @@ struct layout {
 static struct layout layout_of(int64_t L, int64_t hs) {
   struct layout s = {.Lr = round_up(L, 4), .Lp = round_up(L, W), .hp = round_up(hs, W)};
   s.k = hs * s.Lp;
-  s.v = s.k + round_up(s.Lr * hs, W);
+  s.v = s.k + round_up(L * hs, W);
   s.st = s.v + L * s.hp;
   s.floats = s.st + s.Lr * s.Lp;
   return s;
 }
 
-/* The scores transposed, key j by query i: st[j][i] = scale * sum_d k[j][d] q[i][d], d in order.
- * Queries lie along the vector lanes, so that the softmax over the keys needs no sum across lanes.
- * 4 keys by 2 vectors of queries at a time (by 1 for an odd last vector): 8 independent sums in
- * flight, what two FMA units of 4 cycles' latency need. */
-static void scores(const float *qt, const float *k, float *st, int64_t Lr, int64_t Lp, int64_t hs, float scale) {
+/* The scores transposed, key j by query i: st[j][i] = scale * sum_d k[j][d] q[i][d], d in order
+ * (k's rows `ldk` floats apart). Queries lie along the vector lanes, so that the softmax over the
+ * keys needs no sum across lanes. 4 keys by 2 vectors of queries at a time (by 1 for an odd last
+ * vector): 8 independent sums in flight, what two FMA units of 4 cycles' latency need. Rows L..Lr-1
+ * of st repeat key L-1's scores; nothing reads them. */
+static void scores(const float *qt, const float *k, int64_t ldk, float *st, int64_t L, int64_t Lr, int64_t Lp,
+                   int64_t hs, float scale) {
   for (int64_t j = 0; j < Lr; j += 4) {
-    const float *k0 = k + j * hs, *k1 = k0 + hs, *k2 = k1 + hs, *k3 = k2 + hs;
+    const float *k0 = k + j * ldk, *k1 = j + 1 < L ? k0 + ldk : k0, *k2 = j + 2 < L ? k1 + ldk : k1,
+                *k3 = j + 3 < L ? k2 + ldk : k2; /* (never a row past the sequence's last) */
     for (int64_t i = 0; i < Lp; i += 2 * W) {
       const int two = i + W < Lp; /* (a branch the same for every d: the loop stays vectorised) */
       vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
@@ -109,14 +113,20 @@ static void softmax(float *st, int64_t L, int64_t Lp) {
   }
 }
 
-/* Context rows i..i+3 (4 rows up to `rows`) from W channels of sums: row r of `a` to channels c.. */
-static void write_rows(const vf a[4], int64_t i, int64_t rows, int64_t c, int64_t hs, void *out, int bf16,
+/* Query rows per call of `weighted_values`: 2R sums in flight, 8, what two FMA units of 4 cycles'
+ * latency need (R = 8 was 3-5% slower on MiniLM's heads with AVX-512's 32 registers). */
+#define R 4
+
+/* Context rows i..i+R-1 (those under `rows`) from W channels of sums: row r of `a` to channels c.. */
+static void write_rows(const vf a[R], int64_t i, int64_t rows, int64_t c, int64_t hs, void *out, int bf16,
                        int64_t ldo) {
   const int64_t n = hs - c < W ? hs - c : W;
-  for (int64_t r = 0; r < 4 && i + r < rows; r++) {
+  for (int64_t r = 0; r < R && i + r < rows; r++) {
     if (bf16) {
       uint16_t *y = (uint16_t *)out + (i + r) * ldo + c;
       for (int64_t d = 0; d < n; d++) y[d] = float_to_bf16(a[r][d]);
+    } else if (n == W) {
+      *(vfu *)((float *)out + (i + r) * ldo + c) = a[r];
     } else {
       float *y = (float *)out + (i + r) * ldo + c;
       for (int64_t d = 0; d < n; d++) y[d] = a[r][d];
@@ -124,26 +134,21 @@ static void write_rows(const vf a[4], int64_t i, int64_t rows, int64_t c, int64_
   }
 }
 
-/* Context rows i..i+3: out[i][c] = sum_j p[i][j] v[j][c], j in order (p transposed in pt), 2
- * vectors of channels at a time (1 for an odd last one): 8 independent sums in flight. */
-static void weighted_values(const float *pt, const float *v, int64_t L, int64_t Lp, int64_t hs, int64_t hp, int64_t i,
-                            int64_t rows, void *out, int bf16, int64_t ldo) {
+/* Context rows i..i+R-1: out[i][c] = sum_j p[i][j] v[j][c], j in order (p transposed in pt; v's
+ * rows `ldv` floats apart, hp channels of them read), 2 vectors of channels at a time (1 for an odd
+ * last one). R divides W, so the R columns of pt read lie within its Lp. */
+static void weighted_values(const float *pt, const float *v, int64_t ldv, int64_t L, int64_t Lp, int64_t hs,
+                            int64_t hp, int64_t i, int64_t rows, void *out, int bf16, int64_t ldo) {
   for (int64_t c = 0; c < hp; c += 2 * W) {
     const int two = c + W < hp;
-    vf a[4] = {{0}, {0}, {0}, {0}}, b[4] = {{0}, {0}, {0}, {0}};
+    vf a[R] = {{0}}, b[R] = {{0}};
     for (int64_t j = 0; j < L; j++) {
       const float *p = pt + j * Lp + i;
-      const vf x = *(const vf *)(v + j * hp + c);
-      a[0] += p[0] * x;
-      a[1] += p[1] * x;
-      a[2] += p[2] * x;
-      a[3] += p[3] * x;
+      const vf x = *(const vfu *)(v + j * ldv + c);
+      for (int r = 0; r < R; r++) a[r] += p[r] * x;
       if (two) {
-        const vf y = *(const vf *)(v + j * hp + c + W);
-        b[0] += p[0] * y;
-        b[1] += p[1] * y;
-        b[2] += p[2] * y;
-        b[3] += p[3] * y;
+        const vf y = *(const vfu *)(v + j * ldv + c + W);
+        for (int r = 0; r < R; r++) b[r] += p[r] * y;
       }
     }
     write_rows(a, i, rows, c, hs, out, bf16, ldo);
@@ -151,32 +156,91 @@ static void weighted_values(const float *pt, const float *v, int64_t L, int64_t 
   }
 }
 
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* Rows t and t + 2^k of r (bit k of t clear) trade the halves that swap bit k of the row index with
+ * bit k of the lane index: after the four stages, r is transposed. */
+#define STAGE(k, ...)                                                                                   \
+  for (int t = 0; t < W; t++)                                                                           \
+    if (!(t & (1 << k))) {                                                                              \
+      const vf a = r[t], b = r[t + (1 << k)];                                                           \
+      r[t] = SHUFFLE(a, b, __VA_ARGS__);                                                                \
+      r[t + (1 << k)] = SHUFFLE(a, b, UPPER_##k);                                                       \
+    }
+#define UPPER_0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define UPPER_1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define UPPER_2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define UPPER_3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+
+#if W == 16
+/* A 16 x 16 block of floats, one vector a row, transposed in registers (64 two-vector shuffles,
+ * where a scalar copy makes 256 loads and 256 stores). */
+static inline void transpose16(vf r[W]) {
+  STAGE(0, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+  STAGE(1, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+  STAGE(2, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+  STAGE(3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+}
+
+/* q's L rows (row stride ld, hs a multiple of W) transposed to qt (hs, Lp), zero past L. */
+static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64_t hs, float *qt) {
+  for (int64_t i = 0; i < Lp; i += W)
+    for (int64_t d = 0; d < hs; d += W) {
+      vf r[W];
+      for (int t = 0; t < W; t++) r[t] = i + t < L ? *(const vfu *)(q + (i + t) * ld + d) : (vf){0};
+      transpose16(r);
+      for (int t = 0; t < W; t++) *(vf *)(qt + (d + t) * Lp + i) = r[t];
+    }
+}
+#else
+/* The same, element by element (narrower vectors: the copy is a smaller share of the work). */
+static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64_t hs, float *qt) {
+  for (int64_t d = 0; d < hs; d++)
+    for (int64_t i = 0; i < Lp; i++) qt[d * Lp + i] = i < L ? q[i * ld + d] : 0.0f;
+}
+#endif
+
 /* One head of one sequence: its L rows of qkv (row stride ld; q, k and v at 0, H and 2H, this head
- * at h * hs) -> its L rows of out (row stride ldo, at h * hs). */
+ * at h * hs) -> its L rows of out (row stride ldo, at h * hs). A float32 head of whole vectors has
+ * its k and v read where they lie and its q transposed a block of 16 x 16 at a time; a bf16 one, or
+ * one of another size, is copied as float32 first (v padded with zeros to whole vectors). */
 static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
                  int64_t ldo, float *scratch) {
   const struct layout s = layout_of(L, hs);
   const int64_t Lr = s.Lr, Lp = s.Lp, hp = s.hp;
-  float *qt = scratch, *k = scratch + s.k, *v = scratch + s.v, *st = scratch + s.st;
-  /* q transposed: float32 read down each column (the L rows stay in L1), bf16 converted a row at
-   * a time through v's row i and scattered (each the faster here). */
-  for (int64_t d = 0; d < hs && !bf16; d++)
-    for (int64_t i = 0; i < L; i++) qt[d * Lp + i] = ((const float *)qkv)[i * ld + d];
-  for (int64_t i = 0; i < L && bf16; i++) {
-    row_to_float(v + i * hp, qkv, i * ld, hs, bf16);
-    for (int64_t d = 0; d < hs; d++) qt[d * Lp + i] = v[i * hp + d];
+  float *qt = scratch, *st = scratch + s.st;
+  const float *k, *v;
+  int64_t ldk, ldv;
+  if (!bf16 && hs % W == 0) {
+    transpose_q((const float *)qkv, ld, L, Lp, hs, qt);
+    k = (const float *)qkv + H, ldk = ld;
+    v = (const float *)qkv + 2 * H, ldv = ld;
+  } else {
+    float *kc = scratch + s.k, *vc = scratch + s.v;
+    /* q transposed: float32 read down each column (the L rows stay in L1), bf16 converted a row
+     * at a time through v's row i and scattered (each the faster here). */
+    for (int64_t d = 0; d < hs && !bf16; d++)
+      for (int64_t i = 0; i < L; i++) qt[d * Lp + i] = ((const float *)qkv)[i * ld + d];
+    for (int64_t i = 0; i < L && bf16; i++) {
+      row_to_float(vc + i * hp, qkv, i * ld, hs, bf16);
+      for (int64_t d = 0; d < hs; d++) qt[d * Lp + i] = vc[i * hp + d];
+    }
+    for (int64_t d = 0; d < hs; d++)
+      for (int64_t i = L; i < Lp; i++) qt[d * Lp + i] = 0.0f;
+    for (int64_t j = 0; j < L; j++) row_to_float(kc + j * hs, qkv, j * ld + H, hs, bf16);
+    for (int64_t j = 0; j < L; j++) {
+      row_to_float(vc + j * hp, qkv, j * ld + 2 * H, hs, bf16);
+      for (int64_t c = hs; c < hp; c++) vc[j * hp + c] = 0.0f;
+    }
+    k = kc, ldk = hs, v = vc, ldv = hp;
   }
-  for (int64_t d = 0; d < hs; d++)
-    for (int64_t i = L; i < Lp; i++) qt[d * Lp + i] = 0.0f;
-  for (int64_t j = 0; j < L; j++) row_to_float(k + j * hs, qkv, j * ld + H, hs, bf16);
-  memset(k + L * hs, 0, (Lr - L) * hs * sizeof(float));
-  for (int64_t j = 0; j < L; j++) {
-    row_to_float(v + j * hp, qkv, j * ld + 2 * H, hs, bf16);
-    for (int64_t c = hs; c < hp; c++) v[j * hp + c] = 0.0f;
-  }
-  scores(qt, k, st, Lr, Lp, hs, scale);
+  scores(qt, k, ldk, st, L, Lr, Lp, hs, scale);
   softmax(st, L, Lp);
-  for (int64_t i = 0; i < L; i += 4) weighted_values(st, v, L, Lp, hs, hp, i, L, out, bf16, ldo);
+  for (int64_t i = 0; i < L; i += R) weighted_values(st, v, ldv, L, Lp, hs, hp, i, L, out, bf16, ldo);
 }
 
 /* qkv (N, 3H) rows of nseq packed sequences, sequence t at rows starts[t] .. starts[t] + lens[t]

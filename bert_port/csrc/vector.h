@@ -1,13 +1,24 @@
-/* What the C kernels share: 16-float vectors (GCC vector extensions rather than intrinsics: the
- * compiler maps them to AVX-512, AVX2 or SSE, whatever native.py's -march has), bf16 conversions and
- * exp. native.py builds each kernel with this header's text in its cache key. */
+/* What the C kernels share: vectors of W floats (GCC vector extensions rather than intrinsics), bf16
+ * conversions and exp. native.py builds each kernel with this header's text in its cache key.
+ *
+ * W is the width of the instruction set native.py's -march has: 16 floats with AVX-512, 8 with
+ * AVX, 4 with SSE. A vector wider than the registers is not split into registers: GCC keeps it on
+ * the stack, and a scalar broadcast into it goes through memory, store-forwarding stalls on
+ * every multiply-add (csrc/attention.c with 16-float vectors built for AVX2 ran 24x slower than
+ * for AVX-512 on the same Xeon). The kernels' sums run in an order that does not depend on W. */
 #ifndef BERT_PORT_VECTOR_H
 #define BERT_PORT_VECTOR_H
 
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
 #define W 16 /* floats per vector */
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
