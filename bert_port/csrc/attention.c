@@ -9,7 +9,9 @@
  * own order of summation; the values agree within the fp32 tolerance,
  * tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end,
  * in an order fixed by the sequence's length and the head size alone: its bits never depend on
- * the other sequences of the batch, nor on the thread count. Vectors of 16 floats (vector.h). */
+ * the other sequences of the batch, nor on the thread count, nor on the vector width (vector.h: 16
+ * floats with AVX-512, 8 with AVX2, 4 with SSE) where the instruction set has FMA (SSE2 has none,
+ * and rounds each product). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -156,6 +158,7 @@ static void weighted_values(const float *pt, const float *v, int64_t ldv, int64_
   }
 }
 
+#if W == 16
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -176,7 +179,6 @@ static void weighted_values(const float *pt, const float *v, int64_t ldv, int64_
 #define UPPER_2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
 #define UPPER_3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 
-#if W == 16
 /* A 16 x 16 block of floats, one vector a row, transposed in registers (64 two-vector shuffles,
  * where a scalar copy makes 256 loads and 256 stores). */
 static inline void transpose16(vf r[W]) {
