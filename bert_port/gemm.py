@@ -36,7 +36,8 @@ other dtypes, other devices and a torch without oneDNN take `F.linear`.
 
 What follows a dense layer runs in the GEMM's epilogue here, in inference: the FFN's
 activation (`F.gelu` and `F.relu`, as oneDNN post-ops or in the AMX kernel's epilogue; in fp32
-the bits of ATen's) and the
+the bits of ATen's; the GELU after the GEMM where oneDNN runs AVX2 kernels, whose post-op is
+slower than ATen's GELU) and the
 residual addition of `BertLayer.add_norm` (a binary post-op). Each is elementwise, so a row's
 bits still do not depend on the others, and each saves a pass over the (N, M) output. The
 packed path makes its rows a multiple of `row_multiple` once per batch (`BertModel.encode`), so
@@ -52,6 +53,7 @@ first call on one thread, at import.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Callable
 
@@ -158,8 +160,21 @@ def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: 
 
 
 # Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
-# ATen's bits on the AVX-512 Xeon (README, "Speed"); other activations run after the GEMM.
+# ATen's bits on the AVX-512 Xeon (README, "Speed"); other activations run after the GEMM, and so
+# does the GELU where oneDNN runs AVX2 kernels (`_onednn_gelu_fused`).
 POST_OPS: dict[Callable, tuple[str, str]] = {F.gelu: ("gelu", "none"), F.relu: ("relu", "")}
+
+
+@functools.cache
+def _onednn_gelu_fused() -> bool:
+    """Whether oneDNN's GEMMs take the GELU into their epilogue: where its kernels are AVX-512
+    ones (the CPU has AVX-512 and ONEDNN_MAX_CPU_ISA, read once as oneDNN reads it, does not cap
+    it below). Its AVX2 erf post-op is slow: MiniLM's FFN-up on 944 rows with oneDNN capped at
+    AVX2 on the AMX Xeon took 13.8 ms fused against 11.8 ms for the GEMM and ATen's in-place
+    GELU after it at 1 thread (7.0 against 5.8 at 2), the same bits; with AVX-512 kernels fused
+    was 2% faster (README, "What moved")."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return "avx512f" in native.cpu_flags() and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
 
 
 def epilogue(y: Tensor, activation: Callable | None, residual: Tensor | None) -> Tensor:
@@ -225,6 +240,8 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
     if amx:
         return _amx_linear(x.to(dtype), packed, m, bias, post_op[0], residual)
     block = BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else None
+    if activation is F.gelu and not _onednn_gelu_fused():
+        return torch.ops.aten.gelu_(_onednn_linear(x.to(dtype), packed, bias, ("none", ""), None, block))
     return _onednn_linear(x.to(dtype), packed, bias, post_op, residual, block)
 
 

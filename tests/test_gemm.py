@@ -183,15 +183,18 @@ def test_bf16_autocast_computes_in_bf16_with_row_stable_bits(shape):
         assert _rows_differing(layer, x) == []
 
 
+@pytest.mark.parametrize("gelu_fused", [True, False], ids=["GELU post-op", "GELU after"])
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "batch_invariant=False"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant, bf16_kernel):
+def test_the_epilogue_computes_what_the_unfused_ops_do(dtype, invariant, gelu_fused, bf16_kernel, monkeypatch):
     """The FFN's GELU and the residual addition inside oneDNN's GEMM (`BertLayer` passes them),
     and an activation oneDNN has no post-op for (after the GEMM): each within the dtype's
     tolerance of `F.linear` and the op, and, batch-invariant, with a row's bits independent of
-    the row count."""
+    the row count. The GELU both ways oneDNN runs it: as its post-op (AVX-512 kernels) and after
+    the GEMM (AVX2 ones)."""
     if bf16_kernel != "default" and dtype != torch.bfloat16:
         pytest.skip("one kernel")
+    monkeypatch.setattr(gemm, "_onednn_gelu_fused", lambda: gelu_fused)
     torch.manual_seed(0)
     layer = RowStableLinear(384, 1536, BertConfig(batch_invariant=invariant)).to(dtype)
     x, residual = torch.randn(1024, 384).to(dtype), torch.randn(1024, 1536).to(dtype)
@@ -234,3 +237,24 @@ def test_a_trainable_bias_key_value_or_residual_gets_its_gradient(trainable):
         "residual": [residual.grad],
     }[trainable]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize(
+    ("flags", "cap", "fused"),
+    [
+        ({"avx2", "avx512f"}, None, True),
+        ({"avx2", "avx512f"}, "avx512_core_amx", True),
+        ({"avx2", "avx512f"}, "AVX10_1_512", True),
+        ({"avx2", "avx512f"}, "AVX2", False),  # make test-kernels' oneDNN family
+        ({"avx2"}, None, False),  # an AMD EPYC of Zen 2 or 3
+        (set(), None, False),  # Arm: no /proc/cpuinfo flags of these names
+    ],
+)
+def test_the_gelu_is_fused_where_onednn_runs_avx512_kernels(flags, cap, fused, monkeypatch):
+    monkeypatch.setattr(gemm.native, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert gemm._onednn_gelu_fused.__wrapped__() is fused
