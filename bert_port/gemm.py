@@ -39,7 +39,7 @@ activation (`F.gelu` and `F.relu`, as oneDNN post-ops or in the AMX kernel's epi
 the bits of ATen's; the GELU after the GEMM where oneDNN runs AVX2 kernels, whose post-op is
 slower than ATen's GELU) and the
 residual addition of `BertLayer.add_norm` (a binary post-op). Each is elementwise, so a row's
-bits still do not depend on the others, and each saves a pass over the (N, M) output. The
+bits still do not depend on the others, and each one fused saves a pass over the (N, M) output. The
 packed path makes its rows a multiple of `row_multiple` once per batch (`BertModel.encode`), so
 that the GEMMs need no zero rows of their own.
 
@@ -168,13 +168,15 @@ POST_OPS: dict[Callable, tuple[str, str]] = {F.gelu: ("gelu", "none"), F.relu: (
 @functools.cache
 def _onednn_gelu_fused() -> bool:
     """Whether oneDNN's GEMMs take the GELU into their epilogue: where its kernels are AVX-512
-    ones (the CPU has AVX-512 and ONEDNN_MAX_CPU_ISA, read once as oneDNN reads it, does not cap
-    it below). Its AVX2 erf post-op is slow: MiniLM's FFN-up on 944 rows with oneDNN capped at
-    AVX2 on the AMX Xeon took 13.8 ms fused against 11.8 ms for the GEMM and ATen's in-place
-    GELU after it at 1 thread (7.0 against 5.8 at 2), the same bits; with AVX-512 kernels fused
-    was 2% faster (README, "What moved")."""
+    ones (the CPU has oneDNN's avx512_core, AVX-512 F, BW, VL and DQ, and ONEDNN_MAX_CPU_ISA, read
+    once as oneDNN reads it, does not cap it below). Its AVX2 erf post-op is slow: MiniLM's FFN-up
+    on 944 rows with oneDNN capped at AVX2 on the AMX Xeon took 13.8 ms fused against 11.8 ms for
+    the GEMM and ATen's in-place GELU after it at 1 thread (7.0 against 5.8 at 2), the same bits in
+    fp32 (in bf16 the output is rounded before the GELU, as `F.linear` and `F.gelu` do); with
+    AVX-512 kernels fused was 2% faster (README, "What moved")."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    return "avx512f" in native.cpu_flags() and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
+    avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= native.cpu_flags()
+    return avx512_core and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
 
 
 def epilogue(y: Tensor, activation: Callable | None, residual: Tensor | None) -> Tensor:

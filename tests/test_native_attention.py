@@ -184,7 +184,10 @@ def test_a_jit_trace_records_the_pytorch_path():
 
 
 @needs_kernel
-@pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= native.cpu_flags(), reason="needs AVX-512 and AVX2 with FMA")
+@pytest.mark.skipif(
+    not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"} <= native.cpu_flags(),
+    reason="needs what x86-64-v4 and x86-64-v3 build for (AVX-512 F/BW/VL/DQ/CD, AVX2, FMA)",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_avx2_build_gives_the_avx512_builds_bits(dtype, tmp_path, monkeypatch):
     """csrc/vector.h sizes its vectors to the instruction set (16 floats with AVX-512, 8 with AVX2):

@@ -10,7 +10,7 @@
  * tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end,
  * in an order fixed by the sequence's length and the head size alone: its bits never depend on
  * the other sequences of the batch, nor on the thread count, nor on the vector width (vector.h: 16
- * floats with AVX-512, 8 with AVX2, 4 with SSE) where the instruction set has FMA (SSE2 has none,
+ * floats with AVX-512, 8 with AVX, 4 with SSE) where the instruction set has FMA (SSE2 has none,
  * and rounds each product). */
 #include <math.h>
 #include <stdint.h>
@@ -208,7 +208,8 @@ static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64
 
 /* One head of one sequence: its L rows of qkv (row stride ld; q, k and v at 0, H and 2H, this head
  * at h * hs) -> its L rows of out (row stride ldo, at h * hs). A float32 head of whole vectors has
- * its k and v read where they lie and its q transposed a block of 16 x 16 at a time; a bf16 one, or
+ * its k and v read where they lie and its q transposed (16 x 16 in registers where vectors are 16
+ * floats); a bf16 one, or
  * one of another size, is copied as float32 first (v padded with zeros to whole vectors). */
 static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
                  int64_t ldo, float *scratch) {
