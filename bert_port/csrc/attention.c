@@ -209,8 +209,8 @@ static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64
 /* One head of one sequence: its L rows of qkv (row stride ld; q, k and v at 0, H and 2H, this head
  * at h * hs) -> its L rows of out (row stride ldo, at h * hs). A float32 head of whole vectors has
  * its k and v read where they lie and its q transposed (16 x 16 in registers where vectors are 16
- * floats); a bf16 one, or
- * one of another size, is copied as float32 first (v padded with zeros to whole vectors). */
+ * floats); a bf16 one, or one of another size, is copied as float32 first (v padded with zeros to
+ * whole vectors). */
 static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
                  int64_t ldo, float *scratch) {
   const struct layout s = layout_of(L, hs);
