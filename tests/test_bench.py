@@ -134,7 +134,15 @@ def test_quick_runs_writes_its_table_and_reports_a_missing_peer(tmp_path):
     (shim / "__init__.py").write_text("raise ImportError('no ctranslate2 in this test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), str(REPO), os.environ.get("PYTHONPATH", "")])}
     md, js = tmp_path / "bench.md", tmp_path / "bench.json"
-    argv = ["--quick", "--skip", "import,roofline,int8,fixed,load,finetune", "--peers", "ctranslate2", "--bf16", "off"]
+    argv = [
+        "--quick",
+        "--skip",
+        "import,roofline,int8,int8-classifier,fixed,load,finetune",
+        "--peers",
+        "ctranslate2",
+        "--bf16",
+        "off",
+    ]
     out = subprocess.run(
         [sys.executable, "-m", "bert_port.cli.bench", *argv, "--markdown", str(md), "--json", str(js)],
         capture_output=True,
@@ -244,3 +252,22 @@ def test_int8_accuracy_columns_compare_embeddings_with_float32():
     assert same["cos_mean"] == pytest.approx(1.0) and same["neighbours_kept"] == 1.0
     noisy = accuracy(expected, F.normalize(expected + 0.3 * torch.randn(120, 16), dim=1))
     assert noisy["cos_min"] < noisy["cos_mean"] < 1.0 and noisy["neighbours_kept"] < 1.0
+
+
+@pytest.mark.slow
+def test_int8_classifier_section_fine_tunes_then_compares_the_predictions(capsys):
+    """`--quick` size: 64 training sentences, 128 test sentences. The figures are the bench's;
+    here, that both models predicted every test sentence and the line reports the bar."""
+    import argparse
+
+    from bert_port.bench.int8 import PORT_FP32, PORT_INT8, section_int8_classifier
+    from bert_port.tolerance import INT8_ACCURACY
+
+    result = section_int8_classifier(argparse.Namespace(quick=True), torch.device("cpu"), Report())
+    assert result["train_sentences"] == 64 and result["test_sentences"] == 128
+    accuracy = result["accuracy"]
+    assert set(accuracy) == {PORT_FP32, PORT_INT8} and all(0.0 <= a <= 1.0 for a in accuracy.values())
+    assert result["drop_points"] == pytest.approx(100 * (accuracy[PORT_FP32] - accuracy[PORT_INT8]))
+    assert 0.0 < result["predictions_kept"] <= 1.0
+    out = capsys.readouterr().out
+    assert f"points lost (bar <= {INT8_ACCURACY.accuracy_drop_points})" in out and "| port, int8 |" in out
