@@ -239,12 +239,15 @@ def section_int8_classifier(args, device: torch.device, report) -> dict[str, Any
         cfg = FinetuneConfig(**settings)
         finetune(cfg)
         tokenizer = load_tokenizer(out)
-        predicted = {}
-        for name, kwargs in ((PORT_FP32, {}), (PORT_INT8, {"quantization": "int8"})):
-            model = BertForSequenceClassification.from_pretrained(out, **kwargs)
-            label_ids = {label: i for i, label in model.config.id2label.items()}
-            scores = predict(model, tokenizer, test, batch_size=cfg.eval_batch_size, max_length=cfg.max_length)
-            predicted[name] = scores.argmax(1)
+        models = {
+            PORT_FP32: BertForSequenceClassification.from_pretrained(out),
+            PORT_INT8: BertForSequenceClassification.from_pretrained(out, quantization="int8"),
+        }
+        predicted = {
+            name: predict(model, tokenizer, test, batch_size=cfg.eval_batch_size, max_length=cfg.max_length).argmax(1)
+            for name, model in models.items()
+        }
+    label_ids = {label: i for i, label in models[PORT_FP32].config.id2label.items()}
     truth = torch.tensor([label_ids[label] for label in test.labels])
     accuracy = {name: float((p == truth).float().mean()) for name, p in predicted.items()}
     result = {
