@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from . import loading, saving
 from .config import BertConfig
-from .gemm import clear_packed_weights
 
 # transformers' Megatron-BERT class of a port class, where it is not "Megatron" + the port's name.
 MEGATRON_ARCHITECTURES = {"BertLMHeadModel": "MegatronBertForCausalLM"}
@@ -49,12 +48,6 @@ class BertPreTrainedModel(nn.Module):
         self.loading_info: dict[str, object] = {}  # set by load_hf_state_dict
 
     # -- initialisation ---------------------------------------------------------------
-
-    def train(self, mode: bool = True):
-        """`nn.Module.train`, dropping the prepacked inference weights (`gemm.py`): a fused
-        optimiser updates weights in place without bumping the version counters that key them."""
-        clear_packed_weights(self)
-        return super().train(mode)
 
     def init_weights(self) -> None:
         if not any(p.is_meta for p in self.parameters()):

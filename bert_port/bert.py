@@ -2,17 +2,16 @@
 
 `BertSelfAttention` (`transform`, `attention`, `forward`), `BertLayer` (`add_norm`,
 `forward`) and `BertModel` (`embed`, `encode`, `forward`) keep that file's structure and
-parameter names. On a padded batch the numerics follow `transformers.BertModel` operation
-for operation; with `attn_implementation="eager"` (which never unpads) that is transformers'
-eager path itself. With `config.pre_norm` the same modules run in Megatron-BERT's pre-LN
-arrangement, following `transformers.MegatronBertModel` the same way.
+parameter names. This file is plain PyTorch: `nn.Linear` and one attention table
+(`attention.py`). It is what runs when nothing is swapped in, and then it follows
+`transformers.BertModel` operation for operation; with `attn_implementation="eager"` that is
+transformers' eager path itself, bit for bit. With `config.pre_norm` the same modules run in
+Megatron-BERT's pre-LN arrangement, following `transformers.MegatronBertModel` the same way.
 
-The one speed trick that changes the layout: `BertModel.encode` may pack a padded batch
-into its N real tokens (`packing.py`) and run the same layers on those (N, H) rows. Only
-attention needs the sequences, and `BertSelfAttention.forward` takes them from the packing.
+Speed lives beside the model: `bert_port.speed.optimize(model)` (which `from_pretrained` applies)
+swaps in modules that run the layers on the real tokens only, with row-stable GEMMs and C kernels.
 
-Shapes: B batch, T time (tokens), N real tokens, H hidden size, nh heads, hs head size
-(H = nh * hs).
+Shapes: B batch, T time (tokens), H hidden size, nh heads, hs head size (H = nh * hs).
 """
 
 from __future__ import annotations
@@ -24,28 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import packed_attention, sdpa_attention, varlen_attention, varlen_supported
+from .attention import ATTENTION_FUNCTIONS, eager_attention
 from .base_bert import BertPreTrainedModel
 from .cache import KVCache, LayerCache
 from .config import BertConfig
-from .gemm import RowStableLinear, epilogue, fused_row_stable_linear, stack_linears
 from .outputs import ModelOutput
-from .packing import Packing, linear_rows, pack, pad, unpad, with_filler
-from .utils import additive_mask, get_activation, get_extended_attention_mask
+from .utils import get_activation, get_extended_attention_mask
 from .validation import check_inputs
-
-
-def batch_invariant(config: BertConfig) -> bool:
-    """Whether a model of `config` runs the default, batch-invariant path (packed rows,
-    every GEMM of at least `packing.MIN_GEMM_ROWS` rows): SDPA or varlen attention with
-    unpadding, on an encoder. The exact path (eager, or `unpad_inputs=False`) runs
-    transformers' operations on transformers' shapes instead."""
-    return (
-        config.batch_invariant
-        and config.unpad_inputs
-        and config.attn_implementation != "eager"
-        and not config.is_decoder
-    )
 
 
 def prepare_mask(
@@ -57,7 +41,10 @@ def prepare_mask(
 ) -> Tensor | None:
     """The 4-D mask the attention of (B, T, H) `hidden_states` uses: boolean for SDPA,
     additive for eager (which `output_attentions` runs), causal for a decoder, over the
-    `past_length` cached positions and the T new ones."""
+    `past_length` cached positions and the T new ones. A mask prepared already (4-D) passes
+    through, and so does a swapped-in attention's own (`bert_port.speed`'s packing)."""
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() == 4):
+        return attention_mask
     return get_extended_attention_mask(
         attention_mask,
         hidden_states.dtype,
@@ -82,11 +69,8 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        # int8 (`quantization.py`): query, key and value fused into one quantized Linear for
-        # packed rows, set when the model is quantized; None in floating point.
-        self.qkv: nn.Module | None = None
-        # Read at every call, as transformers does: `config.attn_implementation` is the one
-        # attention switch, "eager" (`attention` below), "sdpa" or "varlen" (attention.py).
+        # Read at every call, as transformers does: `config.attn_implementation` names the
+        # attention function (attention.py's table).
         self.config = config
 
     def transform(self, x: Tensor, linear_layer: nn.Linear) -> Tensor:
@@ -99,65 +83,28 @@ class BertSelfAttention(nn.Module):
         self, key: Tensor, query: Tensor, value: Tensor, attention_mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         """Eager scaled dot-product attention, operation for operation transformers'
-        `eager_attention_forward`. `attention_mask` is additive, broadcastable to (B, nh, T, T).
-        Returns the context (B, T, H) and the probabilities (B, nh, T, T)."""
-        # Scale the raw scores first, then add the mask (finfo.min, never -inf), as HF does.
-        scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling  # (B, nh, T, T)
-        if attention_mask is not None:
-            scores = scores + attention_mask
-            if scores.dtype == torch.float16:
-                # finfo(fp16).min + a score below -16 rounds to -inf. A row where every entry
-                # did is fully masked (all padding) and would softmax to NaN, as it does in
-                # transformers; give it finfo.min instead, i.e. the uniform attention that
-                # fp32/bf16 give. Rows with any finite entry are left exactly as they are.
-                dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
-                scores = scores.masked_fill(dead, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1)
-        probs = self.dropout(probs)
-        context = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
-        return context.reshape(*context.shape[:2], -1).contiguous(), probs
+        `eager_attention_forward`. `attention_mask` is additive (or boolean), broadcastable to
+        (B, nh, T, T). Returns the context (B, T, H) and the probabilities (B, nh, T, T)."""
+        return eager_attention(query, key, value, attention_mask, self.scaling, self.dropout)
 
-    def fused_qkv(self) -> tuple[Tensor, Tensor]:
-        """Query, key and value stacked in that order: weight (3H, H) and bias (3H,).
-
-        Concatenated afresh on every call (a 3H x H copy, small next to the matmul it feeds):
-        gradients flow back to the three `nn.Linear`s, and there is no cache to go stale
-        (fused optimisers such as `AdamW(fused=True)` update parameters in place without
-        bumping the version counters a cache would be keyed on).
-        """
-        return stack_linears((self.query, self.key, self.value))
+    def causal_without_mask(self, query: Tensor, attention_mask: Tensor | None) -> bool:
+        """Whether SDPA applies the causal pattern itself: a decoder given no mask, on more than one query."""
+        return self.is_causal and attention_mask is None and query.shape[2] > 1
 
     def forward(
         self,
         hidden_states: Tensor,
         attention_mask: Tensor | None = None,
         output_attentions: bool = False,
-        packing: Packing | None = None,
         cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Padded (B, T, H) -> context (B, T, H), and the probabilities (B, nh, T, T) when
-        asked for; or, with `packing`, packed real-token rows (N, H) -> (N, H). With `cache`
-        (a decoder generating), the T new queries attend to the P cached keys and values and
-        their own, which the cache keeps: probabilities (B, nh, T, P + T).
+        """(B, T, H) -> context (B, T, H), and the probabilities (B, nh, T, T) when asked for.
+        With `cache` (a decoder generating), the T new queries attend to the P cached keys and
+        values and their own, which the cache keeps: probabilities (B, nh, T, P + T).
 
-        `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive;
-        packed rows take theirs from the packing instead. SDPA does not expose
-        probabilities, so `output_attentions` runs the eager path even when SDPA is
-        configured (transformers' SDPA path instead warns and returns no attentions)."""
-        implementation = self.config.attn_implementation
-        dropout_p = self.dropout.p if self.training else 0.0
-        if packing is not None:
-            # Real tokens only: query, key and value in one matmul on N rows instead of three on B*T.
-            if self.qkv is not None:  # int8 (quantization.py)
-                qkv = self.qkv(hidden_states)
-            else:  # (N, 3H); gemm.py: oneDNN on a packed weight in inference, F.linear(x, *self.fused_qkv()) else
-                invariant = self.config.batch_invariant  # every row's bits independent of the batch
-                qkv = fused_row_stable_linear(hidden_states, (self.query, self.key, self.value), self, invariant)
-            if implementation == "varlen" and varlen_supported(qkv, dropout_p):
-                return varlen_attention(qkv, packing, self.num_attention_heads, self.scaling), None  # (N, H)
-            # Otherwise attention on each sequence's real tokens (attention.py says why).
-            return packed_attention(qkv, packing, self.num_attention_heads, self.scaling, dropout_p), None
-
+        `attention_mask` is prepared (see `get_extended_attention_mask`), boolean or additive.
+        SDPA does not expose probabilities, so `output_attentions` runs the eager path even
+        when SDPA is configured (transformers' SDPA path instead warns and returns none)."""
         # Query, key, value in transformers' order: the forward does not care, but autograd
         # sums the three gradients into `hidden_states` in reverse order of creation, and this
         # order gives transformers' gradient bits (key-value-query differs by ~1e-5).
@@ -166,15 +113,8 @@ class BertSelfAttention(nn.Module):
         value_layer = self.transform(hidden_states, self.value)
         if cache is not None:
             key_layer, value_layer = cache.update(key_layer, value_layer)  # (B, nh, P + T, hs)
-        if implementation != "eager" and not output_attentions:
-            is_causal = self.is_causal and attention_mask is None and query_layer.shape[2] > 1
-            context = sdpa_attention(
-                query_layer, key_layer, value_layer, attention_mask, self.scaling, dropout_p, is_causal
-            )
-            return context, None
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            attention_mask = additive_mask(attention_mask, query_layer.dtype)
-        context, probs = self.attention(key_layer, query_layer, value_layer, attention_mask)
+        implementation = "eager" if output_attentions else self.config.attn_implementation
+        context, probs = ATTENTION_FUNCTIONS[implementation](self, query_layer, key_layer, value_layer, attention_mask)
         return context, probs if output_attentions else None
 
 
@@ -187,20 +127,10 @@ def _norm(layer_norm: nn.LayerNorm | None, x: Tensor) -> Tensor:
     return x if layer_norm is None else layer_norm(x)
 
 
-def _dense(layer: nn.Module, x: Tensor, activation=None, residual: Tensor | None = None) -> Tensor:
-    """`activation(layer(x)) + residual` (each where given). A layer with `fuses_epilogue`
-    (`gemm.RowStableLinear`, the int8 `Int8Linear`) computes both inside its GEMM in inference:
-    one pass over the output fewer each. Any other layer (one a user put in) is called alone."""
-    if getattr(type(layer), "fuses_epilogue", False):
-        return layer(x, activation=activation, residual=residual)
-    return epilogue(layer(x), activation, residual)
-
-
 class BertLayer(nn.Module):
     """One transformer block, post-LN as in BERT or pre-LN as in Megatron-BERT
     (`config.pre_norm`). Runs on its own on (B, T, H) floats with an optional 2-D padding
-    mask, or inside `BertModel` with the prepared 4-D mask and, when the batch is packed, its
-    `Packing`."""
+    mask, or inside `BertModel` with the prepared 4-D mask."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -213,15 +143,15 @@ class BertLayer(nn.Module):
         self.pre_attention_layer_norm = _layer_norm(config) if pre_norm else None
         self.self_attention = BertSelfAttention(config)
         # Add-norm after attention.
-        self.attention_dense = RowStableLinear(config.hidden_size, config.hidden_size, config)
+        self.attention_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.attention_layer_norm = None if pre_norm else _layer_norm(config)
         self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
         # Feed forward.
         self.pre_ffn_layer_norm = _layer_norm(config) if pre_norm else None
-        self.interm_dense = RowStableLinear(config.hidden_size, config.intermediate_size, config)
+        self.interm_dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.interm_af = get_activation(config.hidden_act)
         # Add-norm after feed forward.
-        self.out_dense = RowStableLinear(config.intermediate_size, config.hidden_size, config)
+        self.out_dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.out_layer_norm = None if pre_norm else _layer_norm(config)
         self.out_dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -230,35 +160,30 @@ class BertLayer(nn.Module):
     ) -> Tensor:
         """Project the sublayer `output`, drop out, add the residual `input`, normalise (post-LN;
         a pre-LN layer passes `ln_layer` None: it normalised the sublayer's input instead)."""
-        if not isinstance(dropout, nn.Dropout) or (dropout.training and dropout.p > 0):  # (a module put in: called)
-            return _norm(ln_layer, dropout(dense_layer(output)) + input)
-        return _norm(ln_layer, _dense(dense_layer, output, residual=input))  # the addition in the GEMM's epilogue
+        return _norm(ln_layer, dropout(dense_layer(output)) + input)
 
     def forward(
         self,
         hidden_states: Tensor,
         attention_mask: Tensor | None = None,
         output_attentions: bool = False,
-        packing: Packing | None = None,
         cache: LayerCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """(B, T, H) -> (B, T, H), or with `packing` real-token rows (N, H) -> (N, H); with
-        `output_attentions` (padded only), also the (B, nh, T, T) probabilities. `cache`: this
+        """(B, T, H) -> (B, T, H); with `output_attentions`, also the (B, nh, T, T) probabilities. `cache`: this
         layer's keys and values of earlier steps (decoder generation), extended in place.
 
         `attention_mask`: None, a 2-D (B, T) 0/1 padding mask, a 3-D (B, T, T) per-query
         mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
-        if packing is None and (attention_mask is None or attention_mask.dim() < 4):
-            past = cache.length if cache is not None else 0
-            attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
+        past = cache.length if cache is not None else 0
+        attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
         attn_input = _norm(self.pre_attention_layer_norm, hidden_states)  # pre-LN; else hidden_states itself
-        attn_value, probs = self.self_attention(attn_input, attention_mask, output_attentions, packing, cache)
+        attn_value, probs = self.self_attention(attn_input, attention_mask, output_attentions, cache)
         attention_output = self.add_norm(
             hidden_states, attn_value, self.attention_dense, self.attention_dropout, self.attention_layer_norm
         )
-        interm = _dense(self.interm_dense, _norm(self.pre_ffn_layer_norm, attention_output), self.interm_af)
+        interm = self.interm_af(self.interm_dense(_norm(self.pre_ffn_layer_norm, attention_output)))
         layer_output = self.add_norm(attention_output, interm, self.out_dense, self.out_dropout, self.out_layer_norm)
         return (layer_output, probs) if output_attentions else layer_output
 
@@ -324,25 +249,11 @@ class BertModel(BertPreTrainedModel):
         """Run every layer (and, pre-LN, the final LayerNorm): (B, T, H) -> (B, T, H). Also
         returns, when asked for, all hidden states (embeddings first; pre-LN, the last one
         normalised, as in Megatron-BERT) and all attention probabilities. A decoder's `cache`
-        gives each layer the keys and values of the earlier steps and takes this step's.
-
-        When `packing_for` allows it (the default: SDPA or varlen attention, a 2-D mask or none),
-        the layers run on the N real tokens only (with filler rows up to `MIN_GEMM_ROWS`, which
-        makes every row's result independent of the batch, and up to the row counts the GEMMs
-        run on, `_row_multiple`; see `packing.py`), and padding positions of every output are zeros.
-        """
-        if attention_mask is not None:
+        gives each layer the keys and values of the earlier steps and takes this step's."""
+        if isinstance(attention_mask, Tensor):
             attention_mask = attention_mask.to(hidden_states.device)
-        packing = self.packing_for(attention_mask, output_attentions, hidden_states)  # None: the padded path
-        if packing is not None:
-            hidden_states = unpad(hidden_states, packing)  # (N, H)
-            hidden_states, packing = with_filler(
-                hidden_states, packing, self._row_multiple(hidden_states)
-            )  # (N + F, H)
-            extended_mask = None  # packed rows attend within their own sequence (`packing`)
-        else:
-            past = cache.get_seq_length() if cache is not None else 0
-            extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
+        past = cache.get_seq_length() if cache is not None else 0
+        extended_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
         all_hidden = [hidden_states] if output_hidden_states else None
         all_attn = [] if output_attentions else None
         for i, layer in enumerate(self.bert_layers):
@@ -351,55 +262,21 @@ class BertModel(BertPreTrainedModel):
                 # gradient_checkpointing_enable(): keep only the layer's input, recompute the rest
                 # in backward (non-reentrant: restores the RNG, so dropout masks are the same).
                 layer = functools.partial(checkpoint, layer, use_reentrant=False)
-            if output_attentions:  # never packed: only eager attention gives probabilities
+            if output_attentions:
                 hidden_states, probs = layer(hidden_states, extended_mask, output_attentions=True, cache=layer_cache)
                 all_attn.append(probs)
             else:
-                hidden_states = layer(hidden_states, extended_mask, packing=packing, cache=layer_cache)
+                hidden_states = layer(hidden_states, extended_mask, cache=layer_cache)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
         if self.final_layer_norm is not None:
             hidden_states = self.final_layer_norm(hidden_states)
             all_hidden = all_hidden[:-1] + [hidden_states] if output_hidden_states else None
-        if packing is not None:
-            hidden_states = pad(hidden_states, packing)  # (B, T, H)
-            all_hidden = [pad(h, packing) for h in all_hidden] if output_hidden_states else None
         return (
             hidden_states,
             tuple(all_hidden) if output_hidden_states else None,
             tuple(all_attn) if output_attentions else None,
         )
-
-    def _row_multiple(self, rows: Tensor) -> int:
-        """The packed rows' count is best a multiple of this: the row counts the dense layers run
-        their GEMMs on (`gemm.row_multiple`, the int8 layers' `INT8_ROW_STEP`), so that no GEMM
-        pads rows of its own and a corpus of batches reuses a few compiled kernels."""
-        dense = self.bert_layers[0].interm_dense if len(self.bert_layers) else None
-        return dense.row_multiple(rows) if hasattr(dense, "row_multiple") else 1
-
-    def packing_for(
-        self, attention_mask: Tensor | None, output_attentions: bool = False, hidden_states: Tensor | None = None
-    ) -> Packing | None:
-        """The packing of the real tokens when this batch can run unpadded, else None.
-
-        Unpadded execution needs `config.unpad_inputs`, SDPA or varlen (eager is transformers'
-        maths on the padded batch), an encoder (no causal mask), no attention probabilities,
-        and a 2-D padding mask, or none (every token of `hidden_states` (B, T, H) real). A batch without padding is packed too: a text then runs the same kernels
-        alone as in any batch. A left-padded batch keeps the padded path, because the pooler
-        reads position 0 even where it is padding. Tracing (`torch.export`, `torch.compile`)
-        keeps it too: packing needs the sequence lengths on the host.
-        """
-        cfg = self.config
-        if not cfg.unpad_inputs or cfg.attn_implementation == "eager" or cfg.is_decoder or output_attentions:
-            return None
-        if torch.compiler.is_compiling() or (attention_mask is None and hidden_states is None):
-            return None
-        if attention_mask is None and cfg.batch_invariant:
-            attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-        if attention_mask is None or attention_mask.dim() != 2 or not bool(attention_mask[:, 0].bool().all()):
-            return None
-        packing = pack(attention_mask)
-        return packing if cfg.batch_invariant or packing.indices is not None else None
 
     def forward(
         self,
@@ -433,7 +310,7 @@ class BertModel(BertPreTrainedModel):
         )
         pooled = None
         if self.add_pooling_layer:
-            pooled = self.pooler_af(linear_rows(self.pooler_dense, sequence_output[:, 0], batch_invariant(self.config)))
+            pooled = self.pooler_af(self.pooler_dense(sequence_output[:, 0]))  # [CLS]
         out = ModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=pooled,

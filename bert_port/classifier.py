@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .bert import BertModel, batch_invariant
+from .bert import BertModel
 from .config import BertConfig
 from .heads import _BertWithHead
 from .outputs import ModelOutput
-from .packing import linear_rows
 from .problem import IGNORE_INDEX, ProblemType, per_example_loss
 
 __all__ = ["IGNORE_INDEX", "BertForSequenceClassification", "per_example_loss"]
@@ -61,7 +60,7 @@ class BertForSequenceClassification(_BertWithHead):
             output_attentions=output_attentions,
         )
         pooled = self.dropout(outputs.pooler_output)
-        logits = linear_rows(self.classifier, pooled, batch_invariant(self.config))  # (B, num_labels)
+        logits = self.classifier(pooled)  # (B, num_labels)
         loss = None
         if labels is not None:
             if self.config.problem_type is None:

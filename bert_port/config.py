@@ -78,19 +78,18 @@ class ConfigError(ValueError):
     """A BERT configuration that cannot describe a model this port can build."""
 
 
-# Runtime options and their defaults. As transformers keeps `_attn_implementation`, they live
-# in private attributes of the config, behind attributes of the public name (`_RuntimeOption`):
-# never dataclass fields, so never in `to_dict()` or config.json. The constructor, `from_dict`,
-# `from_json_file` and `from_pretrained` take them as keywords (`attn_implementation="eager"`),
-# as transformers does.
-RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa", "unpad_inputs": True, "batch_invariant": True}
+# The one runtime option, with its default. As transformers keeps `_attn_implementation`, it lives
+# in a private attribute of the config, behind an attribute of the public name (`_RuntimeOption`):
+# never a dataclass field, so never in `to_dict()` or config.json. The constructor, `from_dict`,
+# `from_json_file` and `from_pretrained` take it as a keyword (`attn_implementation="eager"`), as
+# transformers does. How fast the model runs (packing, kernels, batch invariance) is not the
+# config's business: `bert_port.speed.optimize`.
+RUNTIME_OPTIONS: dict[str, Any] = {"attn_implementation": "sdpa"}
 
 
 def _check_runtime_option(name: str, value: Any) -> None:
     if name == "attn_implementation" and (not isinstance(value, str) or value not in ATTN_IMPLEMENTATIONS):
         raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
-    if name in ("unpad_inputs", "batch_invariant") and not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 def _check_model_type(data: dict[str, Any]) -> None:
@@ -168,22 +167,14 @@ class BertConfig:
     # Every config.json field this dataclass does not model, kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    # Runtime options (see RUNTIME_OPTIONS): constructor keywords and attributes, never fields.
+    # The runtime option (see RUNTIME_OPTIONS): a constructor keyword and attribute, never a field.
     # Attention: "eager" (transformers' eager maths, and the only one returning probabilities),
     # "sdpa" (F.scaled_dot_product_attention), or "varlen" (FlashAttention on the packed real
-    # tokens where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
+    # tokens of an optimized model where the hardware has it: CUDA, fp16/bf16, no dropout; SDPA elsewhere).
     attn_implementation: InitVar[str] = _RuntimeOption("attn_implementation")
-    # With sdpa or varlen, run the layers on the real tokens of a batch with a 2-D padding mask
-    # (see packing.py and BertModel.packing_for). Within the fp32 parity bar, not bitwise.
-    unpad_inputs: InitVar[bool] = _RuntimeOption("unpad_inputs")
-    # On the unpadded path, give a text the same bits alone and in any batch: batches without
-    # padding are packed too, and every GEMM runs on at least 16 rows (see packing.py). False
-    # restores the old rule (one padded SDPA call for a batch without padding).
-    batch_invariant: InitVar[bool] = _RuntimeOption("batch_invariant")
 
-    def __post_init__(self, attn_implementation: str, unpad_inputs: bool, batch_invariant: bool) -> None:
-        self.attn_implementation, self.unpad_inputs = attn_implementation, unpad_inputs  # validated on the way
-        self.batch_invariant = batch_invariant
+    def __post_init__(self, attn_implementation: str) -> None:
+        self.attn_implementation = attn_implementation  # validated on the way
         for name in ("id2label", "label2id"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
@@ -289,7 +280,7 @@ class BertConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> BertConfig:
         """Build from a `config.json` dict; unknown keys go to `extra`, `overrides` win. The
-        runtime options (`attn_implementation`, `unpad_inputs`) are set on the config, never
+        runtime option (`attn_implementation`) is set on the config, never
         kept as data."""
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")

@@ -21,11 +21,10 @@ from torch import Tensor, nn
 
 from . import generation
 from .base_bert import BertPreTrainedModel
-from .bert import BertModel, batch_invariant
+from .bert import BertModel
 from .cache import KVCache
 from .config import BertConfig
 from .outputs import ModelOutput
-from .packing import linear_rows
 from .problem import IGNORE_INDEX
 from .utils import get_activation
 
@@ -49,7 +48,7 @@ class BertPredictionHeadTransform(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        dense = linear_rows(self.dense, hidden_states, batch_invariant(self.config))
+        dense = self.dense(hidden_states)
         return self.LayerNorm(self.transform_act_fn(dense))
 
 
@@ -65,7 +64,7 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return linear_rows(self.decoder, self.transform(hidden_states), batch_invariant(self.config))  # (B, T, vocab)
+        return self.decoder(self.transform(hidden_states))  # (B, T, vocab)
 
 
 class BertOnlyMLMHead(nn.Module):
@@ -85,8 +84,7 @@ class BertPreTrainingHeads(nn.Module):
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, sequence_output: Tensor, pooled_output: Tensor) -> tuple[Tensor, Tensor]:
-        floor = batch_invariant(self.config)
-        return self.predictions(sequence_output), linear_rows(self.seq_relationship, pooled_output, floor)
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
 def _token_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -352,7 +350,7 @@ class BertForTokenClassification(_BertWithHead):
             output_attentions=output_attentions,
         )
         hidden = self.dropout(outputs.last_hidden_state)
-        logits = linear_rows(self.classifier, hidden, batch_invariant(self.config))  # (B, T, num_labels)
+        logits = self.classifier(hidden)  # (B, T, num_labels)
         loss = _token_loss(logits, labels) if labels is not None else None
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.returned(return_dict)
@@ -394,7 +392,7 @@ class BertForQuestionAnswering(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = linear_rows(self.qa_outputs, outputs.last_hidden_state, batch_invariant(self.config))  # (B, T, 2)
+        logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()  # (B, T)
         end_logits = end_logits.squeeze(-1).contiguous()

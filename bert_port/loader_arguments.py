@@ -142,7 +142,7 @@ def resolve_quantization(
 ) -> str | None:
     """`quantization` (None or "int8", `quantization.check_quantization`), checked against the
     dtype and device asked for: int8 runs on the CPU, from float32 weights."""
-    from .quantization import check_quantization
+    from .speed.quantization import check_quantization
 
     check_quantization(quantization)
     if quantization is None:

@@ -84,6 +84,8 @@ def from_pretrained(
     local_files_only: bool = True,
     output_loading_info: bool = False,
     quantization: str | None = None,
+    optimize: bool = True,
+    batch_invariant: bool = True,
     **kwargs,
 ):
     """Load an HF BERT checkpoint: a directory, a weights file (with `config.json`
@@ -103,14 +105,17 @@ def from_pretrained(
     output_loading_info: also return `model.loading_info` (what was renamed, dropped,
         skipped or newly initialised), as transformers' flag of the same name does.
     quantization: "int8" makes the encoder's dense layers int8 for inference on the CPU
-        (`bert_port.quantization`: float32 weights, calibrated on built-in sentences with the
+        (`bert_port.speed.quantize`: float32 weights, calibrated on built-in sentences with the
         checkpoint's tokenizer); None (default) keeps floating point.
+    optimize: swap in the fast modules (`bert_port.speed.optimize`, default); False gives the
+        plain model of bert.py, which with `attn_implementation="eager"` is transformers' exact path.
+    batch_invariant: with `optimize`, a text's outputs are the same bits alone or in any batch.
     Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
     `num_labels=3`, or any field the checkpoint's config.json has) or go to the
     constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError`
     (`LoaderArgumentError`) naming it, as in transformers, and saying why for transformers
     loader arguments the port does not support (`token`, `trust_remote_code`, ...). Runtime
-    choices (`attn_implementation`, `unpad_inputs`, dtype, device) are never written to
+    choices (`attn_implementation`, `optimize`, dtype, device) are never written to
     config.json by `save_pretrained`. Returns the model in eval mode.
     """
     refuse_unsupported(cls, kwargs)
@@ -123,10 +128,12 @@ def from_pretrained(
     model = build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=dtype, device=device, check_finite=check_finite
     )
-    if quantization is not None:
-        from .quantization import quantize_for_loading
+    if optimize or quantization is not None:
+        from . import speed  # (here: speed builds on the model classes, which import this module)
 
-        quantize_for_loading(model)
+        speed.optimize(model, batch_invariant=batch_invariant)
+        if quantization is not None:
+            speed.quantization.quantize_for_loading(model)
     return (model, model.loading_info) if output_loading_info else model
 
 

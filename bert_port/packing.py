@@ -13,9 +13,9 @@ row by row; what is left is the matrix multiply, whose kernels (MKL, oneDNN) pic
 blocking by the number of rows M and give a row the same bits for every M from some size on
 (M >= 4 for fp32 on AVX2, M >= 16 on AVX-512). So a packed batch of fewer than `MIN_GEMM_ROWS`
 rows gets filler rows, a sequence of their own that gets no attention (a zero context) and is
-dropped by `pad`, and the small GEMMs outside the layers (pooler, heads) go through
-`linear_rows`. The filler also makes the rows a multiple of the GEMMs' row step
-(`gemm.row_multiple`).
+dropped by `pad`, and the small GEMMs outside the layers (pooler, heads) are made up to as
+many rows (`speed.gemm.RowStableLinear`). The filler also makes the rows a multiple of the
+GEMMs' row step (`speed.gemm.row_multiple`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gemm import row_stable_linear
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ MIN_GEMM_ROWS = 16
 
 def with_filler(x: Tensor, packing: Packing, multiple: int = 1) -> tuple[Tensor, Packing]:
     """Packed rows x (N, ...) with zero rows appended up to at least `MIN_GEMM_ROWS` and a
-    multiple of `multiple` (the row counts the GEMMs run on, `gemm.row_multiple`: no GEMM pads
+    multiple of `multiple` (the row counts the GEMMs run on, `speed.gemm.row_multiple`: no GEMM pads
     rows of its own), as one more sequence, and the packing that says so; unchanged when N is
     such a count already."""
     n = x.shape[0]
@@ -97,23 +96,6 @@ def with_filler(x: Tensor, packing: Packing, multiple: int = 1) -> tuple[Tensor,
     x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, filler))
     cu_seqlens = torch.cat([packing.cu_seqlens, packing.cu_seqlens[-1:] + filler])
     return x, dataclasses.replace(packing, cu_seqlens=cu_seqlens, seqlens=(*packing.seqlens, filler), filler=filler)
-
-
-def linear_rows(layer: torch.nn.Linear, x: Tensor, floor: bool = True) -> Tensor:
-    """`layer(x)` for x (..., K), with the rows of the GEMM made up to `MIN_GEMM_ROWS` by zero
-    rows and run by `gemm.row_stable_linear`, so that a row's result does not depend on how
-    many others there are. Without
-    `floor` (the exact path, which runs transformers' GEMMs on transformers' shapes), and
-    while tracing (the row count may be symbolic), it is `layer(x)`."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not floor or torch.compiler.is_compiling():
-        return layer(x)
-    n = rows.shape[0]
-    if n < MIN_GEMM_ROWS:
-        rows = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - n, rows.shape[1])])
-    plain = type(layer) is torch.nn.Linear  # not an int8 layer (quantization.py)
-    out = row_stable_linear(rows, layer.weight, layer.bias, layer) if plain else layer(rows)
-    return out[:n].reshape(*x.shape[:-1], -1)
 
 
 def unpad(x: Tensor, packing: Packing) -> Tensor:

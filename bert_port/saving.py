@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
     """The model's state dict under Hugging Face names (the inverse of the key table). Tied
     targets are left out: they are written once, under the name of what they are tied to."""
-    from .quantization import refuse_saving
+    from .speed.quantization import refuse_saving
 
     refuse_saving(model)
     state = {
@@ -75,7 +75,7 @@ def save_pretrained(
     (default: those the model carries from its source, `carried_sentence_files`). The folder
     is one `checkpoint.StagedWrite`: an interrupted, killed or concurrent save leaves one
     whole checkpoint, the old or the new."""
-    from .quantization import refuse_saving
+    from .speed.quantization import refuse_saving
 
     refuse_saving(model)  # before anything is created
     ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created

@@ -22,7 +22,7 @@ TOL = {dtype: tol.kwargs() for dtype, tol in TOLERANCES.items()}
 # Exact mode: the padded eager path runs transformers' eager operations, in the same order,
 # on the same shapes, so it is bitwise equal to transformers' eager path under every kernel
 # family. Tests that compare with transformers bit for bit load the port this way.
-EXACT = dict(attn_implementation="eager", unpad_inputs=False)
+EXACT = dict(attn_implementation="eager", optimize=False)
 
 REAL_SENTENCES = [
     "the rock is destined to be the 21st century's new \" conan \" and that he's going to make a splash even greater than arnold schwarzenegger.",

@@ -131,7 +131,7 @@ def section_int8(args, device: torch.device, report) -> dict[str, Any]:
     from bert_port.assets import minilm_dir
 
     if device.type != "cpu":
-        report.line("int8: CPU only (bert_port.quantization); skipped on this device")
+        report.line("int8: CPU only (bert_port.speed); skipped on this device")
         return {}
     path = minilm_dir()
     tokenizer = load_tokenizer(path)
@@ -220,7 +220,7 @@ def section_int8_classifier(args, device: torch.device, report) -> dict[str, Any
     from bert_port.data import builtin_splits
 
     if device.type != "cpu":
-        report.line("int8 classifier: CPU only (bert_port.quantization); skipped on this device")
+        report.line("int8 classifier: CPU only (bert_port.speed); skipped on this device")
         return {}
     train = 64 if args.quick else CLASSIFIER_TRAIN
     test = builtin_splits("mr")["test"]

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=("int8",),
         default=None,
-        help="int8: the encoder's dense layers in int8 (CPU only; bert_port.quantization); default float",
+        help="int8: the encoder's dense layers in int8 (CPU only; bert_port.speed); default float",
     )
     parser.add_argument(
         "--threshold",

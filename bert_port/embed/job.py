@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..devices import resolve_device
-from ..quantization import QUANTIZATIONS
+from ..speed.quantization import QUANTIZATIONS
 from ..sentence import SentenceEncoder
 from . import store
 from .corpus import Columns, EmbedError, Scan, input_format, records, scan

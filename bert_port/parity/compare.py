@@ -34,7 +34,7 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "int8": torch.int8,  # the port with quantization="int8" (CPU); the reference stays float32
 }
-INT8_ON_CPU_ONLY = "int8 runs on the CPU only (bert_port.quantization)"
+INT8_ON_CPU_ONLY = "int8 runs on the CPU only (bert_port.speed)"
 
 
 # Every compared tensor is a LayerNorm or tanh output, so O(1): the relative difference is
@@ -322,7 +322,7 @@ def _copies(ours: nn.Module, reference: nn.Module, spread: nn.Module | None, dev
             None if m is None else copy.deepcopy(m).to(device=device, dtype=dtype).eval()
             for m in (ours, reference, spread)
         ]
-    from ..quantization import quantize_for_loading
+    from ..speed.quantization import quantize_for_loading
 
     quantized = quantize_for_loading(copy.deepcopy(ours).float())
     return [quantized] + [None if m is None else copy.deepcopy(m).float().eval() for m in (reference, spread)]

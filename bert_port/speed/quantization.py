@@ -32,7 +32,7 @@ The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
   acts on each channel alone, so this is exact), and out_dense adds their (N, 8) x (8, M)
   float32 product to the int8 one.
 
-Why these choices (the measurements are in the README's "int8" sections):
+Why these choices (the measurements are in docs/int8.md):
 - The kernel: oneDNN's int8 matmul through torch's own ops (`torch.ops.onednn.qlinear_prepack`
   and `qlinear_pointwise`, what torch.compile's x86 backend lowers int8 linears to), called
   eagerly on the packed rows; no extra package. torchao's `Int8DynamicActivationInt8WeightConfig`
@@ -41,11 +41,11 @@ Why these choices (the measurements are in the README's "int8" sections):
   oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
   (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
   which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
-- The glue in C (`csrc/int8_rows.c`, built and loaded by `native`): quantizing a row (its range,
+- The glue in C (`csrc/int8_rows.c`, the ops `kernels.quantize_rows` and `dequantize_rows`): quantizing a row (its range,
   then its int8 values) and dequantizing one (step, bias, outlier channels, residual) are each
   one pass over the row while it sits in L1. As PyTorch ops they are 3-5 passes over the whole
-  (N, K) or (N, M) tensor each, which took twice the int8 GEMMs' own time. Without a C compiler
-  the same scheme runs as those PyTorch ops (`BERT_PORT_NATIVE=0` chooses them); the two agree
+  (N, K) or (N, M) tensor each, which took twice the int8 GEMMs' own time. Without the kernels
+  installed the same scheme runs as those PyTorch ops (`BERT_PORT_KERNELS=0` chooses them); the two agree
   but where a value sits on a rounding boundary, and on both a NaN makes its row NaN
   (tests/test_native.py).
 - 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
@@ -73,7 +73,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import native
+from ..packing import Packing
+from . import kernels
+from .gemm import stack_linears
 
 QUANTIZATIONS = ("int8",)
 ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
@@ -82,7 +84,7 @@ SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
 FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
 # oneDNN builds an int8 kernel for every row count it meets (about 9 ms for 2000 rows of MiniLM's
 # FFN on the AMX Xeon, against 1.4 ms for the GEMM itself): packed batches come in steps of this many
-# rows (the fp32 ones in steps of gemm.FP32_ROW_STEP), so that a corpus of batches reuses a few.
+# rows (the fp32 ones in steps of speed.gemm.FP32_ROW_STEP), so that a corpus of batches reuses a few.
 INT8_ROW_STEP = 64
 
 # Sentences of several kinds and lengths, written for this (none is from the MR or SMS sets),
@@ -217,14 +219,15 @@ class Int8Linear(nn.Module):
         super().__setstate__(state)
         self._pack()
 
-    fuses_epilogue = True  # `forward` takes BertLayer's activation and residual (bert._dense)
+    fuses_epilogue = True  # `forward` adds the residual (speed.layers.FusedBertLayer.add_norm)
+    activation: Callable | None = None  # the FFN's, taken in from the layer as `RowStableLinear` takes it
 
     def row_multiple(self, x: Tensor) -> int:
         """Packed rows are best a multiple of `INT8_ROW_STEP` (`BertModel.encode` adds filler rows)."""
         return INT8_ROW_STEP
 
     @torch.no_grad()  # inference only: with gradients on (no inference_mode), nothing is recorded
-    def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """`epilogue(linear(x), activation, residual)`, in place on the dequantized output (without
         an activation, the residual is added within the dequantization)."""
         self._check(x)
@@ -236,6 +239,7 @@ class Int8Linear(nn.Module):
             q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
         )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
         kept = rows[:, self.in_features - self.float_inputs :]  # (N, F): the outlier channels, float32
+        activation = self.activation
         if activation is None:
             return self._dequantize(acc, step, kept, residual).view(*x.shape[:-1], self.out_features)
         out = self._dequantize(acc, step, kept, None)
@@ -246,16 +250,8 @@ class Int8Linear(nn.Module):
 
     def _quantize(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """The (N, K) float rows (unit stride) as uint8, and each row's step, (N, 1)."""
-        kernels = native.int8_rows()
-        if kernels is not None:
-            n, k = rows.shape
-            q, step = torch.empty(n, k, dtype=torch.uint8), torch.empty(n, 1)
-            kernels.quantize_rows(
-                rows.data_ptr(), n, k, rows.stride(0), native.address(self.input_scale),
-                native.address(self.input_offset), self.floor is not None, self.floor or 0.0, q.data_ptr(),
-                step.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
-            return q, step
+        if kernels.available():
+            return kernels.quantize_rows(rows, self.input_scale, self.input_offset, self.floor)
         if self.input_scale is not None:
             rows = torch.addcmul(self.input_offset, rows, self.input_scale)
         step = self._steps(rows)  # (N, 1)
@@ -273,13 +269,8 @@ class Int8Linear(nn.Module):
         channels' float32 product, `kept` (N, F) x `float_weight` (F, M), summed channel by channel
         (a float32 GEMM, addmm, would sum them in an order that changes with N); + `residual`."""
         residual = None if residual is None else residual.reshape(acc.shape)
-        kernels = native.int8_rows()
-        if kernels is not None and (residual is None or residual.dtype == torch.float32):
-            residual = None if residual is None else residual.contiguous()
-            kernels.dequantize_rows(
-                acc.data_ptr(), *acc.shape, step.data_ptr(), self.bias.data_ptr(), kept.data_ptr(), kept.stride(0),
-                self.float_weight.data_ptr(), self.float_inputs, native.address(residual), torch.get_num_threads(),
-            )  # fmt: skip
+        if kernels.available() and (residual is None or residual.dtype == torch.float32):
+            kernels.dequantize_rows(acc, step, self.bias, kept, self.float_weight, residual)
             return acc
         out = torch.addcmul(self.bias, acc, step, out=acc)
         for c in range(self.float_inputs):
@@ -339,8 +330,8 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
     filler = [0]  # the filler rows (packing.with_filler) after the real ones, in the layer running now
 
     def note_filler(layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        packing = kwargs.get("packing")
-        filler[0] = packing.filler if packing is not None else 0
+        packing = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        filler[0] = packing.filler if isinstance(packing, Packing) else 0
 
     def record(key: tuple[int, str]):
         def hook(module: nn.Module, inputs: tuple) -> None:
@@ -363,13 +354,13 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
     config = model.config
     # Packed rows, less their filler: the real tokens only (an encoder; a decoder's pads, right
     # of its tokens, attend causally to them and look like them).
-    saved = (config.unpad_inputs, config.attn_implementation, config.batch_invariant)
-    config.unpad_inputs, config.attn_implementation, config.batch_invariant = True, "sdpa", False
+    saved = (config.attn_implementation, model.batch_invariant)
+    config.attn_implementation, model.batch_invariant = "sdpa", False
     try:
         for batch in batches:
             model(**batch)
     finally:
-        config.unpad_inputs, config.attn_implementation, config.batch_invariant = saved
+        config.attn_implementation, model.batch_invariant = saved
         for handle in handles:
             handle.remove()
     return {key: (high, low, total / count) for key, (high, low, total, count) in stats.items()}
@@ -385,7 +376,7 @@ def centred(ranges: Ranges, weight: Tensor) -> dict[str, Tensor]:
 
 def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
     """`CALIBRATION_TEXTS` and `CALIBRATION_PAIRS` tokenized by the checkpoint's tokenizer."""
-    from .tokenization import encode
+    from ..tokenization import encode
 
     firsts, seconds = zip(*CALIBRATION_PAIRS)
     return [
@@ -396,9 +387,13 @@ def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
 
 def quantize(model: nn.Module, tokenizer) -> nn.Module:
     """Make the encoder of a float32 port model (`BertModel` or any head; `model.encoder`) int8,
-    in place: calibrate on `CALIBRATION_TEXTS` with `tokenizer` (the checkpoint's), then put an
-    `Int8Linear` in place of every dense layer of every `BertLayer` (the module docstring says
-    which stay float32). Returns `model`, in eval mode."""
+    in place: optimize it (`speed.optimize`, if not yet), calibrate on `CALIBRATION_TEXTS` with
+    `tokenizer` (the checkpoint's), then put an `Int8Linear` in place of every dense layer of
+    every `BertLayer` (the module docstring says which stay float32). Returns `model`, in eval mode."""
+    from . import is_optimized, optimize
+
+    if not is_optimized(model):
+        optimize(model)
     encoder = model.encoder
     if is_quantized(model):
         raise QuantizationError("this model is int8 already")
@@ -412,7 +407,7 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
     floor = ACTIVATION_FLOORS.get(encoder.config.hidden_act)  # None: signed rows for out_dense too
     for i, layer in enumerate(encoder.bert_layers):
         attention = layer.self_attention
-        weight, bias = attention.fused_qkv()
+        weight, bias = stack_linears((attention.query, attention.key, attention.value))
         qkv = centred(stats[(i, "qkv")], weight)  # one shift and divisor for the three: x is quantized once
         attention.qkv = Int8Linear(weight, bias, **qkv)
         for name in ("query", "key", "value"):  # the padded path's three projections (left padding, eager)
@@ -425,6 +420,7 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
         layer.interm_dense = Int8Linear(
             interm.weight[order], interm.bias[order], **centred(stats[(i, "interm_dense")], interm.weight)
         )
+        layer.interm_dense.activation = interm.activation  # (taken into the GEMM by `optimize`)
         layer.out_dense = Int8Linear(out.weight[:, order], out.bias, floor=floor, float_inputs=FLOAT_OUTLIERS)
         layer.attention_dense = Int8Linear(layer.attention_dense.weight, layer.attention_dense.bias)
     model.quantization = "int8"
@@ -447,7 +443,7 @@ def refuse_saving(model: nn.Module) -> None:
 
 def quantize_for_loading(model: nn.Module) -> nn.Module:
     """`quantize` with the tokenizer of the folder `model` was loaded from (`from_pretrained`)."""
-    from .tokenization import TokenizerError, load_tokenizer
+    from ..tokenization import TokenizerError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(model.source_dir)

@@ -3,8 +3,8 @@
  * path makes three small calls per sequence (scores, softmax, weighted values) and, in bf16, a
  * float32 copy of the whole (N, 3H) input and a cast of the output.
  *
- * Built by bert_port/native.py (cc -O3 -march=native -ffp-contract=fast -fopenmp: fused
- * multiply-adds, unlike int8_rows.c) and called through ctypes. Inputs are float32 or bf16, the
+ * Built at install (setup.py) with fused multiply-adds (the pragma below; int8_rows.c has none)
+ * and called as the torch op bert_port::packed_attention (speed/kernels.py). Inputs are float32 or bf16, the
  * sums and the softmax float32, as on the PyTorch path, whose bits it does not try to match (its
  * own order of summation; the values agree within the fp32 tolerance,
  * tests/test_native_attention.py). One thread computes a (sequence, head) pair from start to end,
@@ -12,6 +12,7 @@
  * the other sequences of the batch, nor on the thread count, nor on the vector width (vector.h: 16
  * floats with AVX-512, 8 with AVX, 4 with SSE) where the instruction set has FMA (SSE2 has none,
  * and rounds each product). */
+#pragma GCC optimize("fp-contract=fast") /* fused multiply-adds here (see above) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

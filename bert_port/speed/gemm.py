@@ -1,53 +1,8 @@
-"""The dense layers of the packed path in inference: oneDNN GEMMs on prepacked weights whose
-result for a row does not depend on how many rows the batch has (`batch_invariant`).
-
-Batch invariance (`packing.py`) needs a GEMM that gives a row the same bits for every row
-count M. torch's own CPU kernels do not on every CPU. Measured on a 2-core Xeon with
-AVX-512 and AMX (README, "Same text, same bits"):
-
-- fp32 `F.linear` runs MKL, which at 2 threads splits the reduction for some M and not for
-  others: (M, 1536) x (1536, 384) gives other bits for M in 57..192 than for M = 1024, and
-  bert-base's (3072 -> 768) for M in 16..384. oneDNN's inner product on a prepacked weight
-  gives the same bits for every M >= 2, at 1 and 2 threads, and runs at least as fast.
-- bf16 in torch goes to oneDNN, whose AMX kernels pick the reduction's blocking by M when K is
-  large (K = 1536: M <= 32 agree with M = 1024, most larger M do not). Where the CPU has
-  AMX-BF16, bf16 GEMMs run on a kernel of our own instead (csrc/amx_linear.c, `_amx_linear`):
-  one call for all rows, each 32 x 32 block of the output summed over K in one fixed order by
-  one thread, so that a row's bits depend on nothing else by construction (the packed rows are
-  a multiple of `AMX_ROW_STEP`). In the model it was also faster than one oneDNN call on all
-  the rows but for bert-base at 1 thread (README, "Speed"), so `batch_invariant=False` runs it
-  too. Elsewhere, and for layers whose in or out is not a multiple of 32, batch-invariant bf16
-  GEMMs run on oneDNN in blocks of exactly `BF16_ROW_BLOCK` rows: every call has one shape,
-  hence one kernel, whatever the batch (a row's place in the block does not change its bits).
-  Those blocks cost bf16 a good part of its speed, most at 2 threads, where a block of 128 rows
-  is little work to split; `batch_invariant=False` runs all the rows in one oneDNN call there.
-
-The prepacked weight is cached on the module, one per kernel (oneDNN's, AMX's), keyed on the
-weight's storage, version counter and dtype, and dropped when a gradient is accumulated into
-the weight: fused optimisers update weights in place without bumping the version counter. The
-thread count is not in the key: `--threads auto` (`threads.ThreadGovernor`) moves it between
-batches, and a key on it packed every weight again at each move (README, "What moved"). On the
-AMX Xeon a weight packed at 1 or 2 threads gives the same bits at the same speed at either
-count. A CPU whose oneDNN would lay a weight out otherwise at another count gets a kernel for
-the layout it was packed in: the same values, perhaps slower.
-`clear_packed_weights` drops every cache of a model (`BertPreTrainedModel.train` calls it).
-Under bf16 autocast the GEMMs run in bf16 here, as `F.linear` would. Training, autograd,
-other dtypes, other devices and a torch without oneDNN take `F.linear`.
-
-What follows a dense layer runs in the GEMM's epilogue here, in inference: the FFN's
-activation (`F.gelu` and `F.relu`, as oneDNN post-ops or in the AMX kernel's epilogue; in fp32
-the bits of ATen's; the GELU after the GEMM where oneDNN runs AVX2 kernels, whose post-op is
-slower than ATen's GELU) and the
-residual addition of `BertLayer.add_norm` (a binary post-op). Each is elementwise, so a row's
-bits still do not depend on the others, and each one fused saves a pass over the (N, M) output. The
-packed path makes its rows a multiple of `row_multiple` once per batch (`BertModel.encode`), so
-that the GEMMs need no zero rows of their own.
-
-One more source of other bits is not a GEMM: MKL's vector math (VML), behind torch.tanh and
-torch.erf on CPU float tensors (the pooler's tanh, the python GELUs). A process's first call
-split over 2 threads raced MKL's lazy set-up on this Xeon and gave the second thread's half
-other bits in half the `bert-port-predict` runs at batch 64; `settle_vector_math` makes that
-first call on one thread, at import.
+"""The dense layers of the fast path in inference: oneDNN GEMMs on prepacked weights whose
+result for a row does not depend on how many rows the batch has (batch invariance), with the
+FFN's activation and the residual addition in the GEMM's epilogue. bf16 GEMMs run on the AMX
+kernel (`kernels.amx_linear`) where the CPU has AMX. Training, autograd, other dtypes and other
+devices take `F.linear`. docs/architecture.md says why each choice, with the measurements.
 """
 
 from __future__ import annotations
@@ -61,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import native
+from ..packing import MIN_GEMM_ROWS
+from . import kernels
 
 # oneDNN (through torch's ideep) keeps a compiled kernel per GEMM shape, up to 1024 of them
 # (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
@@ -130,29 +86,18 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
     return BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else FP32_ROW_STEP
 
 
-@functools.cache
-def _amx():
-    """The AMX kernels (csrc/amx_linear.c), where this CPU and its compiler have AMX-BF16 and
-    the kernel is allowed its tile state (`amx_ready`); else None. Built only on such a CPU."""
-    if not {"amx_bf16", "amx_tile"} <= native.cpu_flags():
-        return None
-    kernels = native.amx_linear()
-    return kernels if kernels is not None and kernels.amx_ready() else None
-
-
 def _amx_runs(k: int, m: int) -> bool:
     """Whether (N, k) x (k, m) bf16 GEMMs run on the AMX kernel: its tiles take k and m in 32s."""
-    return k > 0 and m > 0 and k % 32 == 0 and m % 32 == 0 and _amx() is not None
+    return k > 0 and m > 0 and k % 32 == 0 and m % 32 == 0 and kernels.amx_ready()
 
 
 def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: Tensor | None) -> bool:
     """Whether this call runs on the AMX kernel: x (N, k) matching the weight, every tensor on
-    the CPU, a residual of exactly (N, m), not under torch.jit.trace (which does not see a ctypes
-    call); anything else goes to oneDNN, whose checks and errors then apply."""
+    the CPU, a residual of exactly (N, m); anything else goes to oneDNN, whose checks and errors
+    then apply."""
     k = sources[0].shape[1]
     return (
-        not torch.jit.is_tracing()
-        and x.shape[1] == k
+        x.shape[1] == k
         and all(t.device.type == "cpu" for t in sources if t is not None)
         and (residual is None or (residual.shape == (x.shape[0], m) and residual.device.type == "cpu"))
         and _amx_runs(k, m)
@@ -175,7 +120,7 @@ def _onednn_gelu_fused() -> bool:
     fp32 (in bf16 the output is rounded before the GELU, as `F.linear` and `F.gelu` do); with
     AVX-512 kernels fused was 2% faster (README, "What moved")."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= native.cpu_flags()
+    avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= kernels.cpu_flags()
     return avx512_core and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
 
 
@@ -291,14 +236,7 @@ def _amx_linear(
     x, residual = _pad_rows(x, residual, AMX_ROW_STEP)
     rows = x.shape[0]
     x, residual = _rows(x), None if residual is None else _rows(residual)
-    out = torch.empty(rows, m, dtype=torch.bfloat16)
-    failed = _amx().amx_linear(
-        x.data_ptr(), rows, k, x.stride(0), packed.data_ptr(), m, native.address(bias),
-        AMX_ACTIVATIONS[post_op], native.address(residual), 0 if residual is None else residual.stride(0),
-        out.data_ptr(), m, AMX_COLUMNS, torch.get_num_threads(),
-    )  # fmt: skip
-    if failed:
-        raise ValueError(f"the AMX kernel does not take rows ({n}, {k}) x weight ({m}, {k})")
+    out = kernels.amx_linear(x, packed, m, bias, AMX_ACTIVATIONS[post_op], residual, AMX_COLUMNS)
     return out if rows == n else out[:n]
 
 
@@ -381,26 +319,48 @@ def clear_packed_weights(model: nn.Module) -> None:
 
 
 class RowStableLinear(nn.Linear):
-    """`nn.Linear` whose 2-D inputs (the packed rows of `BertModel.encode`) go through
-    `row_stable_linear`, batch-invariant while `config.batch_invariant` holds; the padded
-    path's 3-D inputs run `F.linear`.
+    """The `nn.Linear` that `optimize` swaps in (same parameters): in CPU inference its rows go
+    through `row_stable_linear`, so that a row's result does not depend on the others. Inputs of
+    any shape (..., K) are taken as rows; fewer than `MIN_GEMM_ROWS` are made up to that many by
+    zero rows while `batch_invariant` (the pooler's and the heads' few rows).
 
-    `forward(x, activation, residual)` computes `epilogue(linear(x), activation, residual)`,
-    in the GEMM where it can (`fuses_epilogue`: `BertLayer` passes its activation and residual
-    to such layers only)."""
+    `activation` is the FFN's activation, taken in by `optimize`, and `forward(x, residual)` adds
+    the residual: both in the GEMM's epilogue where it can (`fuses_epilogue`)."""
 
     fuses_epilogue = True
+    batch_invariant: bool = True
+    activation: Callable | None = None
 
-    def __init__(self, in_features: int, out_features: int, config) -> None:
-        super().__init__(in_features, out_features)
-        self.__dict__["config"] = config  # shared with the model, read at each call; not a submodule
+    @classmethod
+    def swap(cls, linear: nn.Linear, batch_invariant: bool) -> RowStableLinear:
+        """`linear` itself, now of this class (its parameters, hooks and place in the model kept)."""
+        if type(linear) not in (nn.Linear, cls):
+            raise TypeError(f"RowStableLinear replaces an nn.Linear, not a {type(linear).__name__}")
+        linear.__class__ = cls
+        linear.batch_invariant = batch_invariant
+        return linear
 
-    def forward(self, x: Tensor, activation: Callable | None = None, residual: Tensor | None = None) -> Tensor:
-        if x.dim() != 2:
-            return epilogue(F.linear(x, self.weight, self.bias), activation, residual)
-        invariant = self.config.batch_invariant
-        return row_stable_linear(x, self.weight, self.bias, self, activation, residual, invariant)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        if self.batch_invariant and n < MIN_GEMM_ROWS and not torch.compiler.is_compiling():
+            rows = F.pad(rows, (0, 0, 0, MIN_GEMM_ROWS - n))
+            residual = None if residual is None else F.pad(residual.reshape(n, -1), (0, 0, 0, MIN_GEMM_ROWS - n))
+        elif residual is not None:
+            residual = residual.reshape(n, -1)
+        out = _linear(rows, (self.weight, self.bias), self, self.activation, residual, self.batch_invariant)
+        return out[:n].reshape(*x.shape[:-1], -1)
 
     def row_multiple(self, x: Tensor) -> int:
         """Packed rows x (N, K) are best a multiple of this many (`row_multiple`)."""
-        return row_multiple(x, self.weight, self.config.batch_invariant)
+        return row_multiple(x, self.weight, self.batch_invariant)
+
+    def train(self, mode: bool = True) -> RowStableLinear:
+        """Also drops the prepacked weight: a fused optimiser updates the weight in place without
+        bumping the version counter that keys it."""
+        _drop(self)
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        act = getattr(self.activation, "__name__", self.activation)
+        return f"{super().extra_repr()}, batch_invariant={self.batch_invariant}, activation={act}"

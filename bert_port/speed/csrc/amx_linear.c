@@ -13,9 +13,9 @@
  * consecutive k (VNNI). The epilogue runs on the float32 accumulator: the bias, then GELU (erf) or
  * ReLU, then the residual, then one rounding to bf16 (to nearest even), as oneDNN's post-ops do.
  *
- * Built by bert_port/native.py for this CPU (-march=native, or $BERT_PORT_MARCH). Where the
- * compiler does not target AMX (a CPU without it), `amx_ready` returns 0 and gemm.py never calls
- * `amx_linear`. */
+ * Built at install into the AMX variant of the kernels' extension (setup.py). In the variants
+ * built without AMX, `amx_ready` returns 0 and speed/gemm.py never calls `amx_linear`. */
+#pragma GCC optimize("fp-contract=fast") /* fused multiply-adds here (see above) */
 #include <stdint.h>
 
 #include "tasks.h"

@@ -3,8 +3,8 @@
  * own step. In PyTorch each is a chain of 3-5 elementwise ops over the whole (N, K) or (N, M)
  * tensor, each a pass through memory; here a row is read once while it sits in L1.
  *
- * Built by bert_port/native.py (cc -O3 -march=native -ffp-contract=off -fopenmp) and called
- * through ctypes on contiguous float32 rows. No fused multiply-add: every product is
+ * Built at install (setup.py, -ffp-contract=off) and called as torch ops (speed/kernels.py) on
+ * contiguous float32 rows. No fused multiply-add: every product is
  * rounded before its sum, as in the PyTorch fallback (torch's own kernels may still fuse). The
  * rows are independent: a row's result never depends on the others, nor on the thread count,
  * which the caller passes (torch.get_num_threads()). A NaN in a row makes the row's step NaN, so

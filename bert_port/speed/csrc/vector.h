@@ -1,7 +1,7 @@
 /* What the C kernels share: vectors of W floats (GCC vector extensions rather than intrinsics), bf16
- * conversions and exp. native.py builds each kernel with this header's text in its cache key.
+ * conversions and exp.
  *
- * W is the width of the instruction set native.py's -march has: 16 floats with AVX-512, 8 with
+ * W is the width of the instruction set the variant is built for (setup.py): 16 floats with AVX-512, 8 with
  * AVX, 4 with SSE. A vector wider than the registers is not split into registers: GCC keeps it on
  * the stack, and a scalar broadcast into it goes through memory, store-forwarding stalls on
  * every multiply-add (csrc/attention.c with 16-float vectors built for AVX2 ran 24x slower than
