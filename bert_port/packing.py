@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-
 @dataclass(frozen=True)
 class Packing:
     """Where the N real tokens of a (B, T) padded batch sit.

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL
 
-from bert_port import BertConfig, gemm
-from bert_port.gemm import RowStableLinear
+from bert_port import BertConfig
+from bert_port.speed import gemm
+from bert_port.speed.gemm import RowStableLinear
 
 needs_amx = pytest.mark.skipif(gemm._amx() is None, reason="no AMX-BF16 here (or no C compiler): oneDNN's blocks")
 pytestmark = needs_amx

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL
 
-from bert_port import BertConfig, gemm
-from bert_port.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
+from bert_port import BertConfig
+from bert_port.speed import gemm
+from bert_port.speed.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
 
 # (in, out) of the packed path's layers: MiniLM's QKV, FFN up and down; bert-base's FFN down.
 SHAPES = [(384, 1152), (384, 1536), (1536, 384), (3072, 768)]
@@ -255,7 +256,7 @@ AVX512_CORE = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
     ],
 )
 def test_the_gelu_is_fused_where_onednn_runs_avx512_kernels(flags, cap, fused, monkeypatch):
-    monkeypatch.setattr(gemm.native, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(gemm.kernels, "cpu_flags", lambda: flags)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if cap is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

@@ -1,4 +1,5 @@
-"""The C attention kernel (csrc/attention.c, through `attention.packed_attention` in inference):
+"""The C attention kernel (csrc/attention.c, the op `kernels.packed_attention`, through
+`speed.attention.packed_attention` in inference):
 the values of the PyTorch path it replaces, a sequence's bits independent of its neighbours and
 of the thread count, long sequences left to the flash kernel, filler rows zero, a NaN kept in
 its own sequence, and the PyTorch path whenever the kernel is not there or does not apply."""
@@ -9,10 +10,10 @@ import pytest
 import torch
 from conftest import TOL
 
-from bert_port import attention, native
+from bert_port.speed import attention, kernels
 from bert_port.packing import pack, with_filler
 
-needs_kernel = pytest.mark.skipif(native.attention() is None, reason="no C compiler: the PyTorch path only")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the C kernels are not installed")
 
 
 def packed_qkv(lengths: list[int], heads: int, head_size: int, dtype: torch.dtype, seed: int = 0):
@@ -27,7 +28,7 @@ def packed_qkv(lengths: list[int], heads: int, head_size: int, dtype: torch.dtyp
 
 def pytorch_path(qkv, packing, heads, scale, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(native, "attention", lambda: None)
+        m.setattr(kernels, "available", lambda: False)
         return attention.packed_attention(qkv, packing, heads, scale)
 
 
@@ -106,10 +107,10 @@ def test_rows_with_a_stride_of_their_own(monkeypatch):
 
 def test_the_pytorch_path_runs_where_the_kernel_does_not_apply(monkeypatch):
     """Gradients, dropout, fp64 and fp16 never reach the kernel; nor does anything when it cannot
-    be had (`BERT_PORT_NATIVE=0`, no compiler)."""
+    be had (`BERT_PORT_KERNELS=0`, not installed)."""
     calls = []
-    real = native.attention
-    monkeypatch.setattr(native, "attention", lambda: calls.append(1) or real())
+    real = kernels.packed_attention
+    monkeypatch.setattr(kernels, "packed_attention", lambda *args: calls.append(1) or real(*args))
     qkv, packing = packed_qkv([5, 12], 2, 8, torch.float32)
     attention.packed_attention(qkv.requires_grad_(), packing, 2, 0.3)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def test_the_pytorch_path_runs_where_the_kernel_does_not_apply(monkeypatch):
         for dtype in (torch.float64, torch.float16):
             attention.packed_attention(qkv.to(dtype), packing, 2, 0.3)
     assert not calls
-    monkeypatch.setattr(native, "attention", lambda: None)
+    monkeypatch.setattr(kernels, "available", lambda: False)
     with torch.no_grad():
         out = attention.packed_attention(qkv, packing, 2, 0.3)
     assert out.shape == (17, 16) and out.isfinite().all()
@@ -185,7 +186,7 @@ def test_a_jit_trace_records_the_pytorch_path():
 
 @needs_kernel
 @pytest.mark.skipif(
-    not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"} <= native.cpu_flags(),
+    not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"} <= kernels.cpu_flags(),
     reason="needs what x86-64-v4 and x86-64-v3 build for (AVX-512 F/BW/VL/DQ/CD, AVX2, FMA)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -193,17 +194,17 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(dtype, tmp_path, monkeypatc
     """csrc/vector.h sizes its vectors to the instruction set (16 floats with AVX-512, 8 with AVX2):
     the sums run in the same order at either width, so both builds (both with FMA) give the same
     bits, head sizes of whole vectors (the transposing path) and others alike."""
-    monkeypatch.setenv("BERT_PORT_CACHE", str(tmp_path))
     results = []
-    for march in ("x86-64-v4", "x86-64-v3"):
-        monkeypatch.setenv("BERT_PORT_MARCH", march)
-        native.kernels.cache_clear()
+    for variant in ("avx512", "avx2"):
+        monkeypatch.setenv("BERT_PORT_ISA", variant)
+        kernels._library.cache_clear()
+        assert kernels.variant() == variant
         results.append([])
         for head_size in (32, 40):
             qkv, packing = packed_qkv([1, 5, 17, 33, 60], 3, head_size, dtype)
             with torch.inference_mode():
                 results[-1].append(attention.packed_attention(qkv, packing, 3, head_size**-0.5))
-    native.kernels.cache_clear()
-    assert len(list((tmp_path / "native").iterdir())) == 2  # two builds, one per instruction set
+    monkeypatch.delenv("BERT_PORT_ISA")
+    kernels._library.cache_clear()
     for wide, narrow in zip(*results):
         assert torch.equal(wide, narrow)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
-from bert_port.attention import varlen_supported
+from bert_port.speed.attention import varlen_supported
 from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
 
 
@@ -134,7 +134,7 @@ def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype, monk
 def test_per_sequence_attention_drops_out_probabilities(tiny_config):
     """Dropout acts on the attention probabilities, as SDPA's does: p=1 drops them all (a
     zero context), p=0.5 keeps about half the mass, scaled by 2 (a context that differs)."""
-    from bert_port.attention import packed_attention
+    from bert_port.speed.attention import packed_attention
 
     H, nh = tiny_config["hidden_size"], tiny_config["num_attention_heads"]
     packing = pack(_holes_batch(tiny_config["vocab_size"])["attention_mask"])

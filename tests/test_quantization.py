@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TOL, tiny_checkpoint
 
-from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer, native
+from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
+from bert_port.speed import kernels
 from bert_port.classifier import BertForSequenceClassification
 from bert_port.data import load_mr
 from bert_port.heads import (
@@ -30,7 +31,7 @@ from bert_port.heads import (
     BertLMHeadModel,
 )
 from bert_port.loader_arguments import LoaderArgumentError
-from bert_port.quantization import Int8Linear, QuantizationError, calibrate, calibration_batches, quantize
+from bert_port.speed.quantization import Int8Linear, QuantizationError, calibrate, calibration_batches, quantize
 from bert_port.tokenization import TokenizerError
 from bert_port.tolerance import INT8_ACCURACY
 
@@ -134,7 +135,7 @@ def test_planted_per_batch_activation_scale_fails(minilm_path, reference, texts,
     """One step for every row of a batch (torch's dynamic quantization does this) instead of each row's own,
     planted in the PyTorch path (the C kernels off)."""
     own = Int8Linear._steps
-    monkeypatch.setattr(native, "int8_rows", lambda: None)
+    monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(Int8Linear, "_steps", lambda self, rows: own(self, rows).amax().expand(rows.shape[0], 1))
     planted = SentenceEncoder.from_pretrained(minilm_path, quantization="int8")
     with pytest.raises(AssertionError):

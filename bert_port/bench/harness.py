@@ -26,7 +26,9 @@ import torch
 from torch import Tensor
 
 from ..assets import config_dir
-from ..native import cpu_flags
+from ..bert import BertModel
+from ..speed.kernels import cpu_flags
+from ..speed.layers import PackedBertModel
 
 CONFIGS = config_dir()  # the real HF configs: configs/ in a checkout, package data in a wheel
 
@@ -125,17 +127,30 @@ def ratio(reference: list[float], times: list[float]) -> float:
 
 @contextlib.contextmanager
 def config_override(model, **fields):
-    """The model with some config fields changed for the duration, e.g. `unpad_inputs=False`
-    (the padded path, transformers' own maths) or `attn_implementation="varlen"`."""
+    """The model with some settings changed for the duration: config fields (e.g.
+    `attn_implementation="varlen"`), and two of the speed layer's: `batch_invariant`
+    (`speed.optimize`'s) and `unpad_inputs=False` (the encoder unswapped: bert.py's padded path)."""
     config = model.config  # shared by every module, which reads it at each call
-    old = {name: getattr(config, name) for name in fields}
+    restore = []
     for name, value in fields.items():
-        setattr(config, name, value)
+        if name == "batch_invariant":
+            targets = [m for m in model.modules() if "batch_invariant" in dir(type(m))]
+            restore += [(m, "batch_invariant", m.batch_invariant) for m in targets]
+            for m in targets:
+                m.batch_invariant = value
+        elif name == "unpad_inputs":
+            targets = [m for m in model.modules() if isinstance(m, PackedBertModel)] if not value else []
+            restore += [(m, "__class__", PackedBertModel) for m in targets]
+            for m in targets:
+                m.__class__ = BertModel
+        else:
+            restore.append((config, name, getattr(config, name)))
+            setattr(config, name, value)
     try:
         yield model
     finally:
-        for name, value in old.items():
-            setattr(config, name, value)
+        for target, name, value in reversed(restore):
+            setattr(target, name, value)
 
 
 # -- the machine --------------------------------------------------------------------------

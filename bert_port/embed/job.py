@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..devices import resolve_device
-from ..speed.quantization import QUANTIZATIONS
 from ..sentence import SentenceEncoder
+from ..speed.quantization import QUANTIZATIONS
 from . import store
 from .corpus import Columns, EmbedError, Scan, input_format, records, scan
 from .run import (

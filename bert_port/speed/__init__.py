@@ -31,7 +31,7 @@ from .gemm import RowStableLinear
 from .layers import FusedBertLayer, PackedBertModel, PackedSelfAttention
 from .quantization import is_quantized, quantize
 
-__all__ = ["optimize", "is_optimized", "quantize", "is_quantized"]
+__all__ = ["is_optimized", "is_quantized", "optimize", "quantize"]
 
 # plain class -> the class `optimize` gives it (a subclass that adds no parameter)
 SWAPS: dict[type[nn.Module], type[nn.Module]] = {

@@ -14,7 +14,6 @@ from ..attention import sdpa_attention
 from ..packing import Packing, pad, unpad
 from . import kernels
 
-
 # Sequences at least this long take the CPU flash kernel in inference: there it beats two `bmm`
 # and a softmax (README, "Speed").
 FLASH_MIN_LEN = 128

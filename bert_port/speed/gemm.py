@@ -232,7 +232,7 @@ def _amx_linear(
 ) -> Tensor:
     """bf16 rows x (N, k) through the AMX kernel, in one call: rows made up to a multiple of
     `AMX_ROW_STEP` by zero rows (none on the packed path), which are dropped."""
-    n, k = x.shape
+    n = x.shape[0]
     x, residual = _pad_rows(x, residual, AMX_ROW_STEP)
     rows = x.shape[0]
     x, residual = _rows(x), None if residual is None else _rows(residual)
