@@ -29,21 +29,24 @@ test-fast: setup
 
 # The parity verdict must not depend on the CPU: the fp32 parity check and the parity test
 # files again under other kernel families, which round float32 sums differently. KERNELS
-# names them: default (ATen's generic kernels, our C kernels built for x86-64: SSE2, no FMA),
-# avx2 (ATen's AVX2 kernels, our C kernels for x86-64-v3: AVX2 and FMA, as an AMD EPYC of
-# Zen 2/3 has) and onednn (oneDNN and MKL capped at AVX2). CI runs the generic ones.
-KERNELS      ?= default avx2 onednn
+# names them: default (ATen's generic kernels, and with them our C kernels' generic variant:
+# SSE2, no FMA), avx2 (ATen's AVX2 kernels and our avx2 variant: AVX2 and FMA, as an AMD EPYC
+# of Zen 2/3 has), onednn (oneDNN and MKL capped at AVX2) and nokernels (our C kernels turned
+# off: the PyTorch equivalents, as a pure-Python install runs). CI runs default and nokernels.
+KERNELS      ?= default avx2 onednn nokernels
 PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert_numerics.py \
                 tests/test_bert.py tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
                 tests/test_classifier.py tests/test_heads.py tests/test_sentence.py tests/test_batch_invariance.py tests/test_preln.py tests/test_gemm.py \
-                tests/test_native_attention.py tests/test_quantization.py
-ENV_default  := ATEN_CPU_CAPABILITY=default BERT_PORT_MARCH=x86-64
-ENV_avx2     := ATEN_CPU_CAPABILITY=avx2 BERT_PORT_MARCH=x86-64-v3
-ENV_onednn   := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-# Where there is a C compiler, the kernels must build under each family (a failed build would
-# only warn, and the tests would run the PyTorch path instead).
-KERNELS_BUILT := from bert_port import native; \
-  assert native.compiler() is None or (native.attention() and native.int8_rows()), 'C kernels did not build'
+                tests/test_native_attention.py tests/test_quantization.py tests/test_kernels.py
+ENV_default   := ATEN_CPU_CAPABILITY=default
+ENV_avx2      := ATEN_CPU_CAPABILITY=avx2
+ENV_onednn    := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ENV_nokernels := BERT_PORT_KERNELS=0
+# The kernels must be installed for each family but nokernels (were they missing, the tests would
+# run the PyTorch equivalents instead and say nothing).
+KERNELS_BUILT := from bert_port.speed import kernels; \
+  assert kernels.available() or not kernels.enabled(), 'C kernels not installed: make setup builds them'; \
+  print('kernel variant:', kernels.variant())
 test-kernels: setup
 	$(foreach k,$(KERNELS),echo "== kernel family $(k): $(ENV_$(k))" && \
 	  env $(ENV_$(k)) $(PY) -W error::RuntimeWarning -c "$(KERNELS_BUILT)" && \
@@ -75,8 +78,8 @@ wheel-check: setup
 	  pkgs = lambda root: sorted(str(p.parent.relative_to(root)) for p in Path(root, "bert_port").rglob("__init__.py")); \
 	  missing = set(pkgs(sys.argv[2])) - set(pkgs(site)); \
 	  assert not missing, f"packages missing from the wheel: {missing}; list them in pyproject.toml"; \
-	  sources = lambda root: sorted(p.name for p in Path(root, "bert_port", "csrc").glob("*.[ch]")); \
-	  assert sources(site) == sources(sys.argv[2]), f"C sources in the wheel: {sources(site)}"; \
+	  built = sorted(p.name.split(".")[0] for p in Path(site, "bert_port", "speed").glob("_kernels_*.so")); \
+	  assert built, "no C kernels in the wheel: setup.py builds them"; print("kernel variants:", built); \
 	  print("bert_port from", where.parent)' "$$tmp/site" "$(CURDIR)"; \
 	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
 	$$py "$$tmp/site/bin/bert-port-bench" --quick --threads 2 --markdown "$$tmp/bench.md"; \

@@ -99,8 +99,9 @@ class BertPreTrainedModel(nn.Module):
     @property
     def hf_architecture(self) -> str:
         """transformers' class of this model (config.json's `architectures`): the class of the
-        same name, or for a pre-LN config (`config.pre_norm`) its Megatron-BERT counterpart."""
-        name = type(self).__name__
+        same name, or for a pre-LN config (`config.pre_norm`) its Megatron-BERT counterpart. A
+        class swapped in by `bert_port.speed` names the plain class it stands for (`plain_class`)."""
+        name = getattr(type(self), "plain_class", type(self)).__name__
         return MEGATRON_ARCHITECTURES.get(name, "Megatron" + name) if self.config.pre_norm else name
 
     # -- transformers' fine-tuning conveniences ---------------------------------------

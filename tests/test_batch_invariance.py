@@ -24,6 +24,7 @@ from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
 from bert_port.classifier import BertForSequenceClassification
 from bert_port.data import builtin_splits, load_mr, write_texts
 from bert_port.heads import BertForMaskedLM, BertForTokenClassification
+from bert_port.speed.layers import PackedBertModel
 
 # Real MR sentences, and short ones: a text of 3 tokens runs GEMMs of 3 rows alone.
 SHORT = ["ok", "no", "a b", "fine.", "x"]
@@ -104,13 +105,13 @@ def test_the_check_catches_the_old_default(minilm_path, tokenizer, texts, monkey
     """Planted: a batch without padding on the padded SDPA path again, as before this change.
     A text alone then runs another attention kernel than in a padded batch, and the check fails."""
     model = BertModel.from_pretrained(minilm_path)
-    original = BertModel.packing_for
+    original = PackedBertModel.packing_for
 
-    def old_rule(self, attention_mask, output_attentions=False, hidden_states=None):
-        packing = original(self, attention_mask, output_attentions, hidden_states)
+    def old_rule(self, attention_mask, output_attentions=False, hidden_states=None, cache=None):
+        packing = original(self, attention_mask, output_attentions, hidden_states, cache)
         return packing if packing is not None and packing.indices is not None else None
 
-    monkeypatch.setattr(BertModel, "packing_for", old_rule)
+    monkeypatch.setattr(PackedBertModel, "packing_for", old_rule)
     assert len(_differing(model, tokenizer, texts)) > 0
 
 

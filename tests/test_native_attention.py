@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TOL
 
-from bert_port.speed import attention, kernels
 from bert_port.packing import pack, with_filler
+from bert_port.speed import attention, kernels
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the C kernels are not installed")
 

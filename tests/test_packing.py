@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
-from bert_port.speed.attention import varlen_supported
 from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
+from bert_port.speed.attention import varlen_supported
 
 
 def _holes_batch(vocab_size: int) -> dict:

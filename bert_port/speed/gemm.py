@@ -331,6 +331,10 @@ class RowStableLinear(nn.Linear):
     batch_invariant: bool = True
     activation: Callable | None = None
 
+    def __init__(self, *args, batch_invariant: bool = True, activation: Callable | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # nn.Linear's (in_features, out_features, bias, ...)
+        self.batch_invariant, self.activation = batch_invariant, activation
+
     @classmethod
     def swap(cls, linear: nn.Linear, batch_invariant: bool) -> RowStableLinear:
         """`linear` itself, now of this class (its parameters, hooks and place in the model kept)."""

@@ -52,6 +52,7 @@ class FusedBertLayer(BertLayer):
 
 
 class PackedBertModel(BertModel):
+    plain_class = BertModel  # transformers' twin, config.json's architectures
     batch_invariant: bool = True
 
     def encode(
