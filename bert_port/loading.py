@@ -84,7 +84,7 @@ def from_pretrained(
     local_files_only: bool = True,
     output_loading_info: bool = False,
     quantization: str | None = None,
-    optimize: bool = True,
+    optimize: bool | None = None,
     batch_invariant: bool = True,
     **kwargs,
 ):
@@ -107,8 +107,9 @@ def from_pretrained(
     quantization: "int8" makes the encoder's dense layers int8 for inference on the CPU
         (`bert_port.speed.quantize`: float32 weights, calibrated on built-in sentences with the
         checkpoint's tokenizer); None (default) keeps floating point.
-    optimize: swap in the fast modules (`bert_port.speed.optimize`, default); False gives the
-        plain model of bert.py, which with `attn_implementation="eager"` is transformers' exact path.
+    optimize: swap in the fast modules (`bert_port.speed.optimize`); False gives the plain
+        model of bert.py. Default: True, but for `attn_implementation="eager"`, which asks for
+        transformers' exact path (the plain model, bit for bit transformers' eager one).
     batch_invariant: with `optimize`, a text's outputs are the same bits alone or in any batch.
     Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
     `num_labels=3`, or any field the checkpoint's config.json has) or go to the
@@ -128,6 +129,8 @@ def from_pretrained(
     model = build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=dtype, device=device, check_finite=check_finite
     )
+    if optimize is None:
+        optimize = model.config.attn_implementation != "eager"
     if optimize or quantization is not None:
         from . import speed  # (here: speed builds on the model classes, which import this module)
 

@@ -90,14 +90,17 @@ def hf_model(config: dict, cls_name: str = "BertModel", attn: str = "eager", **k
     return random_hf_model(config, cls_name, attn, seed=0, **kwargs)
 
 
-def port_from_hf(hf, config: dict, **overrides):
+def port_from_hf(hf, config: dict, optimize: bool = True, batch_invariant: bool = True, **overrides):
     """The port holding `hf`'s weights, loaded by the production loader (`load_hf_state_dict`),
-    in eval mode; `overrides` set config fields (`**EXACT` for the padded eager path that is
-    bitwise equal to transformers' eager path)."""
-    from bert_port import BertConfig, BertModel
+    in eval mode, with the speed layer swapped in as `from_pretrained` does unless `optimize` is
+    False; `overrides` set config fields (`**EXACT` for the plain eager path that is bitwise
+    equal to transformers' eager path)."""
+    from bert_port import BertConfig, BertModel, speed
 
     model = BertModel(BertConfig.from_dict(config, **overrides))
     model.load_hf_state_dict(hf.state_dict())
+    if optimize:
+        speed.optimize(model, batch_invariant=batch_invariant)
     return model.eval()
 
 
@@ -239,7 +242,7 @@ def hf_pair(config: dict, attn: str = "eager", add_pooling_layer: bool = True):
     from bert_port import BertConfig, BertModel
 
     hf = hf_model(config, attn=attn, add_pooling_layer=add_pooling_layer)
-    config = BertConfig.from_dict(config, attn_implementation=attn, unpad_inputs=False)
+    config = BertConfig.from_dict(config, attn_implementation=attn)
     ours = BertModel(config, add_pooling_layer=add_pooling_layer)
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.eval()

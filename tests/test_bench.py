@@ -81,10 +81,15 @@ def test_bench_refuses_cuda_without_a_gpu(capsys):
 def test_config_override_restores_the_config(tiny_config):
     from bert_port import BertModel
 
-    model = BertModel(BertConfig.from_dict(tiny_config))
-    with config_override(model, unpad_inputs=False, attn_implementation="varlen"):
-        assert not model.config.unpad_inputs and model.bert_layers[0].config.attn_implementation == "varlen"
-    assert model.config.unpad_inputs and model.config.attn_implementation == "sdpa"
+    from bert_port.speed import optimize
+    from bert_port.speed.layers import PackedBertModel
+
+    model = optimize(BertModel(BertConfig.from_dict(tiny_config)))
+    with config_override(model, unpad_inputs=False, batch_invariant=False, attn_implementation="varlen"):
+        assert type(model) is BertModel and model.bert_layers[0].config.attn_implementation == "varlen"
+        assert not model.bert_layers[0].interm_dense.batch_invariant
+    assert type(model) is PackedBertModel and model.config.attn_implementation == "sdpa"
+    assert model.batch_invariant and model.bert_layers[0].interm_dense.batch_invariant
 
 
 def test_report_writes_what_it_printed(tmp_path, capsys):

@@ -224,19 +224,19 @@ def test_non_finite_inputs_embeds_are_refused(tiny_config, bad):
 def test_runtime_options_are_not_checkpoint_data(tiny_config, tmp_path):
     # Set from keywords, read and assigned as attributes; never data: to_dict, the saved
     # config.json and config equality know nothing of them.
-    config = BertConfig.from_dict(tiny_config, attn_implementation="eager", unpad_inputs=False)
-    assert (config.attn_implementation, config.unpad_inputs) == ("eager", False)
-    assert not {"attn_implementation", "unpad_inputs"} & set(config.to_dict())
+    config = BertConfig.from_dict(tiny_config, attn_implementation="eager")
+    assert config.attn_implementation == "eager"
+    assert "attn_implementation" not in config.to_dict()
     assert config == BertConfig.from_dict(tiny_config)
-    config.attn_implementation, config.unpad_inputs = "sdpa", True
-    assert (config.attn_implementation, config.unpad_inputs) == ("sdpa", True)
+    config.attn_implementation = "sdpa"
+    assert config.attn_implementation == "sdpa"
     with pytest.raises(ConfigError, match="attn_implementation 'flash' is unknown"):
         config.attn_implementation = "flash"
-    with pytest.raises(ConfigError, match="unpad_inputs must be true or false"):
-        BertConfig.from_dict(tiny_config, unpad_inputs="no")
+    with pytest.raises(ConfigError, match="unpad_inputs"):  # speed is not the config's: bert_port.speed.optimize
+        BertConfig.from_dict(tiny_config, unpad_inputs=False)
     BertModel(BertConfig.from_dict(tiny_config, attn_implementation="eager")).save_pretrained(tmp_path)
-    assert not {"attn_implementation", "unpad_inputs"} & set(json.loads((tmp_path / "config.json").read_text()))
+    assert "attn_implementation" not in set(json.loads((tmp_path / "config.json").read_text()))
     read = BertConfig.from_json_file(tmp_path / "config.json", attn_implementation="eager")
-    assert read.attn_implementation == "eager" and read.unpad_inputs is True
+    assert read.attn_implementation == "eager"
     built = BertConfig(**tiny_config, attn_implementation="eager")  # transformers' constructor keyword
     assert built.attn_implementation == "eager" and "attn_implementation" not in built.to_dict()

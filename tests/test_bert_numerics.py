@@ -26,7 +26,7 @@ from conftest import (
     random_batch,
 )
 
-from bert_port import BertConfig, BertLayer, BertModel, encode, load_tokenizer
+from bert_port import BertConfig, BertLayer, BertModel, encode, load_tokenizer, speed
 from bert_port.checkpoint import hf_to_port
 
 # Tiny tensors: see conftest.single_thread.
@@ -256,7 +256,7 @@ def real(minilm_path):
     for attn in ATTNS:
         # The padded path, compared everywhere (pad positions too); the unpadded default is
         # compared on real tokens in tests/test_packing.py.
-        ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, unpad_inputs=False)
+        ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, optimize=False)
         ref = transformers.BertModel.from_pretrained(str(minilm_path), attn_implementation=attn).eval()
         models[attn] = (ref, ours)
     batch = encode(load_tokenizer(minilm_path), REAL_SENTENCES)
@@ -288,7 +288,7 @@ def test_real_causal_left_padding_positions(real, attn, minilm_path):
     """Decoder mode on the real weights, left padding, per-row position ids, 3-D mask."""
     import transformers
 
-    ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, is_decoder=True, unpad_inputs=False)
+    ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn, is_decoder=True, optimize=False)
     ref = transformers.BertModel.from_pretrained(str(minilm_path), attn_implementation=attn, is_decoder=True).eval()
     batch = encode(load_tokenizer(minilm_path), REAL_SENTENCES)
     mask = batch["attention_mask"].flip(-1)  # left padding: move the pads to the front
@@ -378,8 +378,8 @@ def test_unpadded_default_matches_transformers(act, pad, dtype):
     hf = hf_model(config, attn="sdpa").to(dtype)
     ours = BertModel(BertConfig.from_dict(config)).to(dtype)
     ours.load_hf_state_dict(hf.state_dict())
-    ours.eval()
-    assert ours.config.unpad_inputs and ours.config.attn_implementation == "sdpa"
+    ours = speed.optimize(ours).eval()
+    assert ours.config.attn_implementation == "sdpa"
     batch = random_batch(TINY["vocab_size"], B=4, T=11)
     if pad == "holes":  # a 0 inside a row: still a 2-D padding mask, still unpadded
         batch["attention_mask"][0, 4] = 0

@@ -267,7 +267,7 @@ def test_no_pooler_tiny(attn, caplog):
     hf_full = hf_model(TINY, attn=attn)
     hf_bare = hf_model(TINY, attn=attn, add_pooling_layer=False)
     hf_bare.load_state_dict({k: v for k, v in hf_full.state_dict().items() if not k.startswith("pooler.")})
-    ours = BertModel(BertConfig.from_dict(TINY, attn_implementation=attn, unpad_inputs=False), add_pooling_layer=False)
+    ours = BertModel(BertConfig.from_dict(TINY, attn_implementation=attn), add_pooling_layer=False)
     with caplog.at_level(logging.WARNING, logger="bert_port"):
         ours.load_hf_state_dict(hf_full.state_dict())
     assert "not used by BertModel" in caplog.text and "pooler_dense.weight" in caplog.text

@@ -52,7 +52,7 @@ def _listing(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_tiny_round_trip_is_bitwise(tmp_path, attn):
     hf = hf_model(TINY, attn=attn)
-    ours = port_from_hf(hf, TINY, attn_implementation=attn, unpad_inputs=False)
+    ours = port_from_hf(hf, TINY, attn_implementation=attn, optimize=False)
     ours.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     mode = os.stat(tmp_path / "model.safetensors").st_mode & 0o777
@@ -63,7 +63,7 @@ def test_tiny_round_trip_is_bitwise(tmp_path, attn):
     back_in_hf = _hf_load(tmp_path, attn)
     for key, tensor in hf.state_dict().items():
         assert torch.equal(back_in_hf.state_dict()[key], tensor), key
-    back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation=attn, unpad_inputs=False)
+    back_in_port = BertModel.from_pretrained(tmp_path, attn_implementation=attn, optimize=False)
     for pad in ("right", "left"):
         batch = random_batch(TINY["vocab_size"], pad=pad)
         expected = outputs_on_real_tokens(ours, batch)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import REAL_SENTENCES, TOL, random_batch
 
+from bert_port.bench.harness import config_override
+
 from bert_port import BertConfig, BertModel, encode, load_tokenizer
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -32,11 +34,8 @@ def _eager(model: BertModel, batch: dict) -> tuple[dict, dict]:
     """The model's default output, and its output on the padded path."""
     with torch.no_grad():
         default = model(**batch)
-        model.config.unpad_inputs = False
-        try:
+        with config_override(model, unpad_inputs=False):
             padded = model(**batch)
-        finally:
-            model.config.unpad_inputs = True
     return default, padded
 
 

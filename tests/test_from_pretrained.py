@@ -65,7 +65,7 @@ def test_config_overrides_and_unknown_keywords(tmp_path, minilm_path):
 
     # Runtime choices are never written to config.json; real overrides are, as transformers does.
     model = BertModel.from_pretrained(
-        minilm_path, attn_implementation="eager", unpad_inputs=False, torch_dtype="float32", device_map="cpu"
+        minilm_path, attn_implementation="eager", optimize=False, torch_dtype="float32", device_map="cpu"
     )
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())

@@ -59,14 +59,14 @@ def test_greedy_equals_transformers_token_for_token(pair, kind, use_cache):
 
 def test_greedy_in_exact_mode_equals_transformers_eager(pair):
     hf, ours = pair
-    ours.config.attn_implementation, ours.config.unpad_inputs = EXACT["attn_implementation"], EXACT["unpad_inputs"]
+    ours.config.attn_implementation = EXACT["attn_implementation"]
     hf.set_attn_implementation("eager")
     try:
         prompts = _prompts("left-padded")
         expected = hf.generate(**prompts, max_new_tokens=10, do_sample=False)
         assert torch.equal(ours.generate(**prompts, max_new_tokens=10), expected)
     finally:
-        ours.config.attn_implementation, ours.config.unpad_inputs = "sdpa", True
+        ours.config.attn_implementation = "sdpa"
         hf.set_attn_implementation("sdpa")
 
 

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
-from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer
+from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer, speed
 from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
+from bert_port.bench.harness import config_override
 from bert_port.speed.attention import varlen_supported
+from bert_port.speed.gemm import stack_linears
 
 
 def _holes_batch(vocab_size: int) -> dict:
@@ -55,7 +57,7 @@ def test_pack_refuses_a_3d_mask():
 
 def test_packing_for_chooses_the_unpadded_path_where_it_computes_the_same():
     config = {"vocab_size": 99, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
-    model = BertModel(BertConfig.from_dict({**config, "intermediate_size": 8}))
+    model = speed.optimize(BertModel(BertConfig.from_dict({**config, "intermediate_size": 8})))
     right = torch.tensor([[1, 1, 0], [1, 1, 1]])
     assert isinstance(model.packing_for(right), Packing)
     assert model.packing_for(torch.tensor([[0, 1, 1], [1, 1, 1]])) is None  # the pooler reads position 0
@@ -66,10 +68,11 @@ def test_packing_for_chooses_the_unpadded_path_where_it_computes_the_same():
     assert model.packing_for(None) is None  # no mask and no shape to make one from
     assert model.packing_for(torch.ones(2, 3, 3)) is None  # a per-query mask is no packing
     assert model.packing_for(right, output_attentions=True) is None  # only eager returns probabilities
-    for field, value in (("attn_implementation", "eager"), ("unpad_inputs", False), ("is_decoder", True)):
-        other = BertModel(BertConfig.from_dict(model.config.to_dict(), **{field: value}))
+    for field, value in (("attn_implementation", "eager"), ("is_decoder", True)):
+        other = speed.optimize(BertModel(BertConfig.from_dict(model.config.to_dict(), **{field: value})))
         assert other.packing_for(right) is None, field
-    varlen = BertModel(BertConfig.from_dict(model.config.to_dict(), attn_implementation="varlen"))
+    assert not hasattr(BertModel(model.config), "packing_for")  # the plain model never packs
+    varlen = speed.optimize(BertModel(BertConfig.from_dict(model.config.to_dict(), attn_implementation="varlen")))
     assert isinstance(varlen.packing_for(right), Packing)
 
 
@@ -149,7 +152,7 @@ def test_per_sequence_attention_drops_out_probabilities(tiny_config):
 def test_tiny_unpadded_matches_padded_and_transformers(tiny_config, attn, holes):
     hf = hf_model(tiny_config, attn="sdpa")
     ours = port_from_hf(hf, tiny_config, attn_implementation=attn)
-    padded = port_from_hf(hf, tiny_config, unpad_inputs=False)
+    padded = port_from_hf(hf, tiny_config, optimize=False)
     batch = _holes_batch(tiny_config["vocab_size"]) if holes else random_batch(tiny_config["vocab_size"])
     real = batch["attention_mask"].bool()
     assert ours.packing_for(batch["attention_mask"]) is not None
@@ -169,15 +172,15 @@ def test_tiny_unpadded_matches_padded_and_transformers(tiny_config, attn, holes)
 
 
 def test_packed_layer_on_its_own_matches_the_padded_layer(tiny_config):
-    """`BertLayer` takes packed rows directly: (N, H) with their packing, which masks them."""
-    layer = BertLayer(BertConfig.from_dict(tiny_config)).eval()
+    """An optimized `BertLayer` takes packed rows directly: (N, H) with their packing as the mask."""
+    layer = speed.optimize(BertLayer(BertConfig.from_dict(tiny_config))).eval()
     mask = random_batch(tiny_config["vocab_size"])["attention_mask"]
     x = torch.randn(*mask.shape, tiny_config["hidden_size"])
     packing = pack(mask)
     real = mask.bool()
     with torch.no_grad():
         padded = layer(x, mask)
-        packed = layer(unpad(x, packing), packing=packing)
+        packed = layer(unpad(x, packing), packing)
     assert packed.shape == (packing.num_tokens, tiny_config["hidden_size"])
     torch.testing.assert_close(packed, padded[real], **TOL[torch.float32])
 
@@ -188,7 +191,7 @@ def test_minilm_unpadded_parity(minilm_path, attn):
     import transformers
 
     ours = BertModel.from_pretrained(minilm_path, attn_implementation=attn)
-    padded = BertModel.from_pretrained(minilm_path, unpad_inputs=False)
+    padded = BertModel.from_pretrained(minilm_path, optimize=False)
     ref = transformers.BertModel.from_pretrained(str(minilm_path), attn_implementation="sdpa").eval()
     batch = encode(load_tokenizer(minilm_path), REAL_SENTENCES)
     real = batch["attention_mask"].bool()
@@ -228,15 +231,16 @@ def test_fused_qkv_equals_separate_projections(tiny_config):
     x = torch.randn(7, tiny_config["hidden_size"])
     with torch.no_grad():
         expected = torch.cat([attn.query(x), attn.key(x), attn.value(x)], dim=-1)
-        torch.testing.assert_close(F.linear(x, *attn.fused_qkv()), expected, **TOL[torch.float32])
+        fused = F.linear(x, *stack_linears((attn.query, attn.key, attn.value)))
+        torch.testing.assert_close(fused, expected, **TOL[torch.float32])
 
 
 def test_fused_qkv_follows_fused_optimizer_steps(tiny_config):
     """Regression: fused AdamW updates parameters in place without bumping their version
     counters, which once left a cached QKV weight stale for the next no-grad evaluation."""
-    model = BertModel(BertConfig.from_dict(tiny_config)).eval()
+    model = speed.optimize(BertModel(BertConfig.from_dict(tiny_config))).eval()
     batch = random_batch(tiny_config["vocab_size"], B=3, T=9)
-    reference = BertModel(BertConfig.from_dict(tiny_config, unpad_inputs=False)).eval()
+    reference = BertModel(BertConfig.from_dict(tiny_config)).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     for _ in range(2):
         with torch.no_grad():
@@ -255,7 +259,7 @@ def test_fused_qkv_gradients_reach_the_three_linears(tiny_config):
     attn = BertModel(BertConfig.from_dict(tiny_config)).bert_layers[0].self_attention
     x = torch.randn(4, tiny_config["hidden_size"])
     params = [attn.query.weight, attn.key.weight, attn.value.weight, attn.query.bias, attn.key.bias, attn.value.bias]
-    F.linear(x, *attn.fused_qkv()).square().sum().backward()
+    F.linear(x, *stack_linears((attn.query, attn.key, attn.value))).square().sum().backward()
     fused = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
@@ -278,9 +282,9 @@ def test_gradients_match_the_padded_path(tiny_config):
     target = torch.randn(*real.shape, config["hidden_size"])
 
     def grads(unpad_inputs: bool):
-        model.config.unpad_inputs = unpad_inputs
-        model.zero_grad(set_to_none=True)
-        F.mse_loss(model(**batch).last_hidden_state[real], target[real]).backward()
+        with config_override(model, unpad_inputs=unpad_inputs):
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(**batch).last_hidden_state[real], target[real]).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     padded, unpadded = grads(False), grads(True)
@@ -292,7 +296,7 @@ def test_gradients_match_the_padded_path(tiny_config):
 
 def test_training_dropout_is_applied(tiny_config):
     """In training mode the unpadded path drops out (two calls differ), in eval it does not."""
-    model = BertModel(BertConfig.from_dict(tiny_config)).train()
+    model = speed.optimize(BertModel(BertConfig.from_dict(tiny_config))).train()
     batch = random_batch(tiny_config["vocab_size"])
     assert model.packing_for(batch["attention_mask"]) is not None
     a, b = model(**batch).last_hidden_state, model(**batch).last_hidden_state
@@ -312,7 +316,7 @@ def test_training_dropout_is_applied(tiny_config):
 def test_compiled_layers_match_eager(tiny_config):
     """Each `BertLayer` under torch.compile, packing outside (what `bench --compile` times)."""
     pytest.importorskip("torch._inductor")
-    model = BertModel(BertConfig.from_dict(tiny_config)).eval()
+    model = speed.optimize(BertModel(BertConfig.from_dict(tiny_config))).eval()
     compiled = copy.deepcopy(model)
     for layer in compiled.bert_layers:
         layer.compile(dynamic=True)
@@ -329,7 +333,7 @@ def test_compiled_layers_match_eager(tiny_config):
 @pytest.mark.gpu
 def test_varlen_attention_matches_sdpa_on_cuda(tiny_config):
     config = {**tiny_config, "hidden_size": 64}
-    varlen = BertModel(BertConfig.from_dict(config, attn_implementation="varlen")).eval().cuda()
+    varlen = speed.optimize(BertModel(BertConfig.from_dict(config, attn_implementation="varlen"))).eval().cuda()
     sdpa = BertModel(BertConfig.from_dict(config)).eval().cuda()
     sdpa.load_state_dict(varlen.state_dict())
     batch = {k: v.cuda() for k, v in random_batch(tiny_config["vocab_size"]).items()}

@@ -260,7 +260,7 @@ def test_saved_tagger_gives_transformers_logits(ner_run, files):
     from bert_port.tagged import read_conll
 
     ref = transformers.BertForTokenClassification.from_pretrained(str(ner_run)).eval()
-    ours = BertForTokenClassification.from_pretrained(ner_run, attn_implementation="eager", unpad_inputs=False)
+    ours = BertForTokenClassification.from_pretrained(ner_run, attn_implementation="eager", optimize=False)
     ds = read_conll(files["small"])
     batch = Collator(load_tokenizer(ner_run), ds, 32)(range(len(ds)))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}

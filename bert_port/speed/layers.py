@@ -86,13 +86,17 @@ class PackedBertModel(BertModel):
         return dense.row_multiple(rows) if hasattr(dense, "row_multiple") else 1
 
     def packing_for(
-        self, attention_mask: Tensor | None, output_attentions: bool, hidden_states: Tensor, cache=None
+        self,
+        attention_mask: Tensor | None,
+        output_attentions: bool = False,
+        hidden_states: Tensor | None = None,
+        cache=None,
     ) -> Packing | None:
         """The packing of the real tokens when this batch can run unpadded, else None.
 
         Unpadded execution needs SDPA or varlen (eager is transformers' maths on the padded
         batch), an encoder (no causal mask, no cache), no attention probabilities, and a 2-D
-        padding mask, or none. A batch without padding is packed too when batch-invariant: a
+        padding mask, or none (every token of `hidden_states` (B, T, H) real). A batch without padding is packed too when batch-invariant: a
         text then runs the same kernels alone as in any batch. A left-padded batch keeps the
         padded path, because the pooler reads position 0 even where it is padding. Tracing
         keeps it too: packing needs the sequence lengths on the host.
@@ -100,7 +104,7 @@ class PackedBertModel(BertModel):
         cfg = self.config
         if cfg.attn_implementation == "eager" or cfg.is_decoder or output_attentions or cache is not None:
             return None
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or (attention_mask is None and hidden_states is None):
             return None
         if attention_mask is None and self.batch_invariant:
             attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
