@@ -55,6 +55,8 @@ UNSUPPORTED_LOADER_ARGUMENTS = {
     "offload_buffers": _ONE_DEVICE,
     "tp_plan": _ONE_DEVICE,
     "key_mapping": "checkpoint names are mapped by the port's own key table (bert_port.checkpoint.keys)",
+    # The port's own former options, now bert_port.speed's.
+    "unpad_inputs": "speed left the config: pass optimize=False for the plain model of bert.py (the padded path)",
 }
 
 

@@ -80,7 +80,6 @@ def test_bench_refuses_cuda_without_a_gpu(capsys):
 
 def test_config_override_restores_the_config(tiny_config):
     from bert_port import BertModel
-
     from bert_port.speed import optimize
     from bert_port.speed.layers import PackedBertModel
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from conftest import REAL_SENTENCES, TOL, hf_model, port_from_hf, random_batch
 
 from bert_port import BertConfig, BertLayer, BertModel, BertSelfAttention, Packing, encode, load_tokenizer, speed
-from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
 from bert_port.bench.harness import config_override
+from bert_port.packing import MIN_GEMM_ROWS, pack, pad, unpad
 from bert_port.speed.attention import varlen_supported
 from bert_port.speed.gemm import stack_linears
 
@@ -77,10 +77,11 @@ def test_packing_for_chooses_the_unpadded_path_where_it_computes_the_same():
 
 
 def test_the_layer_body_is_what_runs(tiny_config):
-    """The default model (SDPA, unpadding) on a padded batch runs `BertLayer.forward` and
+    """The optimized model (SDPA, unpadding) on a padded batch runs `BertLayer.forward` and
     `BertSelfAttention.forward` once per layer, on the packed (N, H) real-token rows and the
-    filler rows that make them a row count the GEMMs run on (`gemm.row_multiple`)."""
-    model = BertModel(BertConfig.from_dict(tiny_config)).eval()
+    filler rows that make them a row count the GEMMs run on (`gemm.row_multiple`): the layer
+    body of bert.py, with the swapped-in modules beneath it."""
+    model = speed.optimize(BertModel(BertConfig.from_dict(tiny_config))).eval()
     batch = random_batch(tiny_config["vocab_size"])
     with torch.no_grad():  # (in training the GEMMs are F.linear's, which takes any row count)
         multiple = model.bert_layers[0].interm_dense.row_multiple(torch.zeros(1, tiny_config["hidden_size"]))
@@ -88,7 +89,8 @@ def test_the_layer_body_is_what_runs(tiny_config):
     seen = []
     for module in model.modules():
         if isinstance(module, (BertLayer, BertSelfAttention)):
-            module.register_forward_hook(lambda m, args, out: seen.append((type(m).__name__, tuple(args[0].shape))))
+            name = next(c.__name__ for c in type(module).__mro__ if c in (BertLayer, BertSelfAttention))
+            module.register_forward_hook(lambda m, args, out, name=name: seen.append((name, tuple(args[0].shape))))
     with torch.no_grad():
         model(**batch)
     row = (rows, tiny_config["hidden_size"])
@@ -104,7 +106,7 @@ def test_per_sequence_attention_matches_one_padded_call(tiny_config, dtype, monk
     without autograd, in bf16/fp16 (the same on an fp32 copy below 128 tokens) in inference; bf16/fp16 training runs
     one padded SDPA call over the packed rows. All attend within each sequence only, holes
     in the mask included, and give the padded call's values and gradients."""
-    from bert_port import attention
+    from bert_port.speed import attention
 
     padded_calls = []
     padded_call = attention._padded_sdpa_of_packed

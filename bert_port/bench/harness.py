@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import speed
 from ..assets import config_dir
-from ..bert import BertModel
 from ..speed.kernels import cpu_flags
 from ..speed.layers import PackedBertModel
 
@@ -129,28 +129,23 @@ def ratio(reference: list[float], times: list[float]) -> float:
 def config_override(model, **fields):
     """The model with some settings changed for the duration: config fields (e.g.
     `attn_implementation="varlen"`), and two of the speed layer's: `batch_invariant`
-    (`speed.optimize`'s) and `unpad_inputs=False` (the encoder unswapped: bert.py's padded path)."""
+    (`speed.optimize`'s) and `unpad_inputs=False` (the plain model of bert.py, `speed.restore`)."""
     config = model.config  # shared by every module, which reads it at each call
-    restore = []
-    for name, value in fields.items():
-        if name == "batch_invariant":
-            targets = [m for m in model.modules() if "batch_invariant" in dir(type(m))]
-            restore += [(m, "batch_invariant", m.batch_invariant) for m in targets]
-            for m in targets:
-                m.batch_invariant = value
-        elif name == "unpad_inputs":
-            targets = [m for m in model.modules() if isinstance(m, PackedBertModel)] if not value else []
-            restore += [(m, "__class__", PackedBertModel) for m in targets]
-            for m in targets:
-                m.__class__ = BertModel
-        else:
-            restore.append((config, name, getattr(config, name)))
-            setattr(config, name, value)
+    old = {name: getattr(config, name) for name in fields if name not in ("batch_invariant", "unpad_inputs")}
+    for name in old:
+        setattr(config, name, fields[name])
+    invariant = next((m.batch_invariant for m in model.modules() if isinstance(m, PackedBertModel)), None)
+    if fields.get("unpad_inputs") is False and invariant is not None:
+        speed.restore(model)
+    elif "batch_invariant" in fields and invariant is not None:
+        speed.optimize(model, batch_invariant=fields["batch_invariant"])
     try:
         yield model
     finally:
-        for target, name, value in reversed(restore):
-            setattr(target, name, value)
+        for name, value in old.items():
+            setattr(config, name, value)
+        if invariant is not None:
+            speed.optimize(model, batch_invariant=invariant)
 
 
 # -- the machine --------------------------------------------------------------------------

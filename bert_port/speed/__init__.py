@@ -52,6 +52,8 @@ def optimize(model: nn.Module, *, batch_invariant: bool = True) -> nn.Module:
         fast = SWAPS.get(type(module))
         if fast is not None:
             module.__class__ = fast
+        if isinstance(module, PackedSelfAttention) and "qkv" not in module._modules:
+            module.register_module("qkv", None)  # int8's fused projection goes here (quantization.py)
         if isinstance(module, (PackedBertModel, PackedSelfAttention)):
             module.batch_invariant = batch_invariant
         if isinstance(module, FusedBertLayer) and type(module.interm_dense) is nn.Linear:
@@ -61,6 +63,27 @@ def optimize(model: nn.Module, *, batch_invariant: bool = True) -> nn.Module:
     for module in list(model.modules()):
         if type(module) in (nn.Linear, RowStableLinear):
             RowStableLinear.swap(module, batch_invariant)
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """The inverse of `optimize`: bert.py's plain modules again, in place; returns `model`.
+    Refused for an int8 model, whose float weights are gone."""
+    if is_quantized(model):
+        raise ValueError("an int8 model cannot be restored to floating point: load the checkpoint again")
+    plain = {fast: slow for slow, fast in SWAPS.items()}
+    for module in model.modules():
+        if isinstance(module, FusedBertLayer) and module.interm_af is _identity:
+            module.interm_af, module.interm_dense.activation = module.interm_dense.activation, None
+        if isinstance(module, PackedSelfAttention):
+            del module._modules["qkv"]
+        if type(module) in plain:
+            module.__class__ = plain[type(module)]
+        elif type(module) is RowStableLinear:
+            RowStableLinear.train(module, module.training)  # drops the packed weight
+            module.__class__ = nn.Linear
+            for name in ("batch_invariant", "activation"):
+                module.__dict__.pop(name, None)
     return model
 
 

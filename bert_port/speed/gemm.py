@@ -44,6 +44,12 @@ def settle_vector_math() -> None:
 settle_vector_math()
 
 
+def tracing() -> bool:
+    """Under torch.compile, torch.export or torch.jit.trace: shapes may be symbolic, so the fast
+    path's row padding and packing (host-side decisions on sizes) step aside for plain ops."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
 def row_stable_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
     """The dtype `row_stable_linear` runs x (N, K) through oneDNN in, or None for `F.linear`:
     CPU inference in fp32, or in bf16 (bf16 weights, or fp32 or bf16 ones under bf16 autocast)
@@ -61,7 +67,7 @@ def row_stable_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
         and x.dim() == 2
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not torch.compiler.is_compiling()
+        and not tracing()
         and torch.backends.mkldnn.is_available()
         and (dtype == torch.float32 or _native_bf16())
     )
@@ -345,9 +351,11 @@ class RowStableLinear(nn.Linear):
         return linear
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if tracing():
+            return epilogue(F.linear(x, self.weight, self.bias), self.activation, residual)
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        if self.batch_invariant and n < MIN_GEMM_ROWS and not torch.compiler.is_compiling():
+        if self.batch_invariant and n < MIN_GEMM_ROWS:
             rows = F.pad(rows, (0, 0, 0, MIN_GEMM_ROWS - n))
             residual = None if residual is None else F.pad(residual.reshape(n, -1), (0, 0, 0, MIN_GEMM_ROWS - n))
         elif residual is not None:

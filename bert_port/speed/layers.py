@@ -20,12 +20,13 @@ from torch import Tensor
 from ..bert import BertLayer, BertModel, BertSelfAttention, _norm
 from ..packing import Packing, pack, pad, unpad, with_filler
 from .attention import packed_attention, varlen_attention, varlen_supported
-from .gemm import fused_row_stable_linear
+from .gemm import fused_row_stable_linear, tracing
 
 
 class PackedSelfAttention(BertSelfAttention):
     batch_invariant: bool = True
-    qkv: torch.nn.Module | None = None  # int8 (`quantization.py`): query, key and value in one layer
+    # `qkv`: a submodule `optimize` registers as None; int8 (`quantization.py`) puts query, key and
+    # value in one layer there.
 
     def forward(self, hidden_states, attention_mask=None, output_attentions=False, cache=None):
         """Packed rows (N, H) with their `Packing` as `attention_mask` -> context (N, H), no
@@ -104,7 +105,7 @@ class PackedBertModel(BertModel):
         cfg = self.config
         if cfg.attn_implementation == "eager" or cfg.is_decoder or output_attentions or cache is not None:
             return None
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() or (attention_mask is None and hidden_states is None):
+        if tracing() or (attention_mask is None and hidden_states is None):
             return None
         if attention_mask is None and self.batch_invariant:
             attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
