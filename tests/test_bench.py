@@ -84,9 +84,11 @@ def test_config_override_restores_the_config(tiny_config):
     from bert_port.speed.layers import PackedBertModel
 
     model = optimize(BertModel(BertConfig.from_dict(tiny_config)))
-    with config_override(model, unpad_inputs=False, batch_invariant=False, attn_implementation="varlen"):
+    with config_override(model, unpad_inputs=False, attn_implementation="varlen"):
         assert type(model) is BertModel and model.bert_layers[0].config.attn_implementation == "varlen"
-        assert not model.bert_layers[0].interm_dense.batch_invariant
+        assert type(model.bert_layers[0].interm_dense) is torch.nn.Linear  # the plain model
+    with config_override(model, batch_invariant=False):
+        assert not model.batch_invariant and not model.bert_layers[0].interm_dense.batch_invariant
     assert type(model) is PackedBertModel and model.config.attn_implementation == "sdpa"
     assert model.batch_invariant and model.bert_layers[0].interm_dense.batch_invariant
 
