@@ -248,6 +248,15 @@ def hf_pair(config: dict, attn: str = "eager", add_pooling_layer: bool = True):
     return hf, ours.eval()
 
 
+def call(layer, x, activation=None, residual=None):
+    """`layer(x, residual)` with `activation` in its epilogue for this call (as `optimize` sets it)."""
+    layer.activation = activation
+    try:
+        return layer(x, residual)
+    finally:
+        layer.activation = None
+
+
 def hf_call(hf, **kwargs):
     """Call a transformers model without its KV cache: a decoder builds one by default, whose
     contiguous K/V copies change the matmuls' memory layout by about an ulp

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOL
+from conftest import TOL, call
 
 from bert_port.speed import gemm
 from bert_port.speed.gemm import RowStableLinear
@@ -21,15 +21,6 @@ pytestmark = needs_amx
 # (in, out): MiniLM's QKV, FFN up and down; bert-base's FFN up and down.
 SHAPES = [(384, 1152), (384, 1536), (1536, 384), (768, 3072), (3072, 768)]
 EPILOGUES = {"none": {}, "gelu": {"activation": F.gelu}, "relu": {"activation": F.relu}, "residual": {}}
-
-
-def call(layer, x, activation=None, residual=None):
-    """`layer(x, residual)` with `activation` in its epilogue for this call (as `optimize` sets it)."""
-    layer.activation = activation
-    try:
-        return layer(x, residual)
-    finally:
-        layer.activation = None
 
 
 def layer_and_input(shape, rows: int, seed: int = 0):

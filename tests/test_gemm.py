@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOL
+from conftest import TOL, call
 
 from bert_port.speed import gemm
 from bert_port.speed.gemm import RowStableLinear, fused_row_stable_linear, row_stable_linear
@@ -15,15 +15,6 @@ from bert_port.speed.gemm import RowStableLinear, fused_row_stable_linear, row_s
 # (in, out) of the packed path's layers: MiniLM's QKV, FFN up and down; bert-base's FFN down.
 SHAPES = [(384, 1152), (384, 1536), (1536, 384), (3072, 768)]
 ROW_COUNTS = [16, 17, 33, 57, 64, 100, 129, 192, 385, 433, 700]
-
-
-def call(layer, x, activation=None, residual=None):
-    """`layer(x, residual)` with `activation` in its epilogue for this call (as `optimize` sets it)."""
-    layer.activation = activation
-    try:
-        return layer(x, residual)
-    finally:
-        layer.activation = None
 
 
 def _rows_differing(linear, x: torch.Tensor) -> list[int]:

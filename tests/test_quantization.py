@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOL, tiny_checkpoint
+from conftest import TOL, call, tiny_checkpoint
 
 from bert_port import BertModel, SentenceEncoder, encode, load_tokenizer
 from bert_port.classifier import BertForSequenceClassification
@@ -36,15 +36,6 @@ from bert_port.tokenization import TokenizerError
 from bert_port.tolerance import INT8_ACCURACY
 
 N_TEXTS, QUERIES, K = 160, 100, 10
-
-
-def call(layer, x, activation=None, residual=None):
-    """`layer(x, residual)` with `activation` in its epilogue for this call (as `optimize` sets it)."""
-    layer.activation = activation
-    try:
-        return layer(x, residual)
-    finally:
-        layer.activation = None
 
 
 @pytest.fixture(scope="module")
