@@ -41,19 +41,21 @@ def _refuse(path: Path, why: str) -> RefusedFile:
     return RefusedFile(f"refused to read {path}: {why}. Delete it or restore the file this package wrote")
 
 
-def check_inside(path: Path, folder: Path | None = None) -> None:
-    """Refuse `path` when it is a link that leads out of `folder` (default: its own folder)."""
-    if not path.is_symlink():
+def check_inside(path: Path, folder: Path | bool | None = None) -> None:
+    """Refuse `path` when it is a link that leads out of `folder` (None: its own folder;
+    False: links anywhere are followed, as the Hugging Face cache's links into its blobs)."""
+    if folder is False or not path.is_symlink():
         return
-    base = os.path.realpath(folder if folder is not None else path.parent)
+    base = os.path.realpath(folder if isinstance(folder, (str, os.PathLike)) else path.parent)
     real = os.path.realpath(path)
     if os.path.commonpath([base, real]) != base:
         raise _refuse(path, f"it is a link to {real}, outside {base}")
 
 
-def open_regular(path: str | os.PathLike, limit: int, folder: Path | None = None) -> int:
+def open_regular(path: str | os.PathLike, limit: int, folder: Path | bool | None = None) -> int:
     """A read-only descriptor of `path`, checked to be a regular file of at most `limit`
-    bytes inside `folder`; `FileNotFoundError` when absent, `RefusedFile` otherwise."""
+    bytes inside `folder` (see `check_inside`); `FileNotFoundError` when absent, `RefusedFile`
+    otherwise."""
     path = Path(path)
     check_inside(path, folder)
     st = os.stat(path)  # never open a device or FIFO: opening one may block or have effects
@@ -77,7 +79,7 @@ def open_regular(path: str | os.PathLike, limit: int, folder: Path | None = None
     return fd
 
 
-def read_bytes(path: str | os.PathLike, limit: int, folder: Path | None = None) -> bytes:
+def read_bytes(path: str | os.PathLike, limit: int, folder: Path | bool | None = None) -> bytes:
     """The bytes of `path` (see `open_regular`), read with the bound: a file that grows past
     `limit` while being read is refused too."""
     fd = open_regular(path, limit, folder)
@@ -98,6 +100,6 @@ def read_bytes(path: str | os.PathLike, limit: int, folder: Path | None = None) 
     return b"".join(chunks)
 
 
-def read_text(path: str | os.PathLike, limit: int, folder: Path | None = None, errors: str = "strict") -> str:
+def read_text(path: str | os.PathLike, limit: int, folder: Path | bool | None = None, errors: str = "strict") -> str:
     """`read_bytes` decoded as UTF-8; `UnicodeDecodeError` (a `ValueError`) for other bytes."""
     return read_bytes(path, limit, folder).decode("utf-8", errors=errors)
