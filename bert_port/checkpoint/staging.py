@@ -320,10 +320,14 @@ class StagedWrite:
             os.chmod(tmp, mode)
         journal = self._journal()
         journal_tmp = self._temporary(JOURNAL)
-        with open(journal_tmp, "w", encoding="utf-8") as f:
-            f.write(journal.to_json())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(journal_tmp, "w", encoding="utf-8") as f:
+                f.write(journal.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk before the commit point: the journal's temporary goes too
+            journal_tmp.unlink(missing_ok=True)
+            raise
         with _signals_deferred():
             os.replace(journal_tmp, self.directory / JOURNAL)  # the commit point
             # From here the temporaries belong to the journal: a failure below leaves them

@@ -127,9 +127,15 @@ def restore(recipe: FinetuneRecipe, state: dict[str, Any]) -> None:
 def save_state(state: dict[str, Any], path: Path) -> None:
     """Write `state` with `torch.save` under a temporary name and rename it into place
     (`checkpoint.atomic_write`). Through an open file, so that a full disk is the `OSError`
-    (ENOSPC) it is, not torch's "unexpected pos" RuntimeError."""
+    (ENOSPC) it is, not torch's "unexpected pos" RuntimeError: torch's zip writer raises that
+    while unwinding from the file's `OSError`, which is raised again here."""
     with ckpt.atomic_write(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
+        try:
+            torch.save(state, f)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
 
 
 def load_state(path: Path) -> dict[str, Any]:
