@@ -219,3 +219,15 @@ def test_moved_folder_keeps_its_journal_live(tmp_path, monkeypatch):
         BertModel.from_pretrained(moved)
     ckpt.repair(moved)
     assert _which(moved, saves) == "new"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_odd_training_state_is_refused_without_hanging(tmp_path, kind):
+    from bert_port.training.resume import LAST_CHECKPOINT, load_state
+    from bert_port.training.settings import FinetuneError
+
+    _plant(tmp_path / LAST_CHECKPOINT, kind)
+    box = _in_thread(load_state, tmp_path / LAST_CHECKPOINT)
+    error = box.get("error")
+    assert isinstance(error, FinetuneError), box
+    assert f"refused to read {tmp_path / LAST_CHECKPOINT}" in str(error) and "\n" not in str(error)

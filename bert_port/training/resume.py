@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last-checkpoint.pt"
 STATE_FORMAT = 2  # of last-checkpoint.pt; 2: schedules as transformers', progress by optimiser step
+STATE_LIMIT = 1 << 40  # bytes: a state is about 3x its model; a larger file is not one
 DATA_SETTINGS = ("train", "validation")  # the files whose bytes decide the run (not --test)
 
 
@@ -139,9 +140,16 @@ def save_state(state: dict[str, Any], path: Path) -> None:
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    """The state in `path`, on the CPU; a damaged file is a `FinetuneError` that says what to do."""
+    """The state in `path`, on the CPU; a damaged file is a `FinetuneError` that says what to do.
+    It must be a regular file in the run folder (`checkpoint.bounded`): a FIFO or a link to a
+    device would block or never end."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        fd = ckpt.bounded.open_regular(path, STATE_LIMIT, Path(path).parent)
+    except ckpt.CheckpointError as exc:
+        raise FinetuneError(f"{exc}; or start the run again with --overwrite, or in another --output-dir") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 (torch raises many types for a damaged file)
         raise FinetuneError(
             f"cannot read {path} ({type(exc).__name__}: {str(exc)[:200]}); it is damaged. Start "
