@@ -14,6 +14,7 @@ Shapes: B batch, T prompt length, V vocabulary.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from .cache import KVCache
 
 if TYPE_CHECKING:
     from .heads import BertLMHeadModel
+
+log = logging.getLogger(__name__)
 
 
 def top_k_filter(scores: Tensor, top_k: int) -> Tensor:
@@ -84,7 +87,7 @@ def as_prompts(batch: Mapping[str, Tensor], drop_sep: bool = True) -> dict[str, 
 
 
 def _check_arguments(
-    model: BertLMHeadModel, input_ids: Tensor, max_new_tokens: int, temperature: float, top_k, top_p
+    model: BertLMHeadModel, input_ids: Tensor, max_new_tokens: int, do_sample: bool, temperature: float, top_k, top_p
 ) -> None:
     """A `ValueError` saying what to change, before any step runs."""
     config = model.config
@@ -99,17 +102,62 @@ def _check_arguments(
         raise ValueError("input_ids must be a (batch, prompt_length) tensor of token ids, e.g. encode(tok, texts)")
     limit = config.max_position_embeddings
     if input_ids.shape[1] + max_new_tokens > limit:
+        room = (
+            f"shorten the prompt to at most {limit - max_new_tokens} tokens or ask for fewer new tokens"
+            if max_new_tokens < limit
+            else f"ask for at most {limit - input_ids.shape[1]} new tokens"
+            if input_ids.shape[1] < limit
+            else f"shorten the prompt below {limit} tokens"
+        )
         raise ValueError(
             f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds "
-            f"max_position_embeddings={limit}: shorten the prompt to at most {limit - max_new_tokens} tokens "
-            "or ask for fewer new tokens"
+            f"max_position_embeddings={limit}: {room}"
         )
+    if not do_sample:  # greedy ignores the sampling settings; transformers warns and goes on
+        ignored = {
+            "temperature": temperature != 1.0,
+            "top_k": top_k not in (None, 50),
+            "top_p": top_p not in (None, 1.0),
+        }
+        if any(ignored.values()):
+            log.warning(
+                "do_sample=False: %s only apply to sampling and are ignored; pass do_sample=True to use them",
+                ", ".join(name for name, set_ in ignored.items() if set_),
+            )
+        return
     if not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature must be a number above 0, got {temperature!r} (for greedy, do_sample=False)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k must be a positive integer (or None or 0 for no top-k filter), got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 or None for no top-p filter), got {top_p!r}")
+
+
+def _check_padding(config, input_ids: Tensor, attention_mask: Tensor | None) -> None:
+    """Refuse a row with no real token; warn on right padding (as transformers does): new
+    tokens are appended after the pads, so the row continues differently from itself alone.
+    `as_prompts` turns `encode`'s right-padded batch into left-padded prompts."""
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} and input_ids {tuple(input_ids.shape)}; "
+                "pass the mask of these ids"
+            )
+        empty = (~attention_mask.bool().any(dim=1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"row(s) {empty[:10]} of the batch are all padding (attention_mask all 0): nothing to continue; "
+                "drop them or give them a prompt"
+            )
+        right = bool((attention_mask[:, -1] == 0).any())
+    else:
+        right = config.pad_token_id is not None and input_ids.shape[0] > 1
+        right = right and bool((input_ids[:, -1] == config.pad_token_id).any())
+    if right:
+        log.warning(
+            "right padding in the prompts: new tokens would follow the pads, and those rows continue differently "
+            "from each alone. Pad on the left: generate(model, **as_prompts(encode(...)))"
+        )
 
 
 def _start_positions(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor:
@@ -165,7 +213,8 @@ def generate(
     `pad_token_id` (default the config's, else the first eos), and generation stops when every
     row is finished. `use_cache=False` recomputes the whole sequence at every step.
     """
-    _check_arguments(model, input_ids, max_new_tokens, temperature, top_k, top_p)
+    _check_arguments(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
+    _check_padding(model.config, input_ids, attention_mask)
     if generator is not None and seed is not None:
         raise ValueError("pass generator or seed, not both (a seed makes a new generator)")
     device = model.device

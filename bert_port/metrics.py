@@ -44,6 +44,20 @@ DETAIL_MAX_CLASSES = 50
 WORST_CLASSES = 10  # listed in the summary of a many-class evaluation
 
 
+class MetricError(ValueError):
+    """A metric asked of nothing: over zero examples (or zero scored tokens) it is undefined,
+    never 0 or 1."""
+
+
+def require_items(count: float, what: str, metric: str) -> None:
+    """Refuse a metric over zero `what` (examples, tagged words, target tokens)."""
+    if count <= 0:
+        raise MetricError(
+            f"cannot compute {metric} over zero {what}: the split evaluated has none; give it data that has "
+            f"{what}, or leave the split out"
+        )
+
+
 def _f1(tp: Tensor, predicted: Tensor, actual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
     recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
@@ -61,6 +75,7 @@ def metrics_from_counts(
     (rows: true label, columns: prediction) if given; above it `per_class_summary`."""
     tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
     total = float(actual.sum())
+    require_items(total, "examples", "accuracy")
     precision, recall, f1 = _f1(tp, predicted, actual)
     present = (predicted + actual) > 0
     result: dict[str, Any] = {
@@ -104,6 +119,7 @@ def multi_label_metrics(
     """Micro-F1 (over every example-label decision), macro-F1 (mean over the labels that
     occur as a target or a prediction, as for single-label), exact match, and per-label
     figures up to `DETAIL_MAX_CLASSES` labels. `loss_sum` is summed per-example BCE."""
+    require_items(n, "examples", "micro-F1")
     tp, predicted, actual = (x.double().cpu() for x in (tp, predicted, actual))
     precision, recall, f1 = _f1(tp, predicted, actual)
     present = (predicted + actual) > 0
@@ -141,6 +157,7 @@ def pearson(a: Tensor, b: Tensor) -> float:
 def regression_metrics(predictions: Tensor, targets: Tensor, loss_sum: float) -> dict[str, Any]:
     """Pearson and Spearman correlation (Pearson of the ranks) over all examples."""
     n = len(targets)
+    require_items(n, "examples", "Pearson and Spearman correlation")
     return {
         "loss": loss_sum / n,
         "pearson": pearson(predictions, targets),
@@ -221,6 +238,7 @@ def tagging_metrics(true: list[list[str]], predicted: list[list[str]], loss_sum:
     from seqeval.metrics import accuracy_score, classification_report
 
     n, words = len(true), sum(map(len, true))
+    require_items(words, "tagged words", "entity F1")
     with warnings.catch_warnings():  # its macro average of no entity type is NaN with a warning; dropped below
         warnings.simplefilter("ignore", RuntimeWarning)
         report = classification_report(true, predicted, output_dict=True, zero_division=0) if words else {}

@@ -563,12 +563,12 @@ def test_index_naming_itself_exits_2_from_convert(sharded_dir, tmp_path, capsys)
 def test_huge_layer_count_is_refused_before_building(tiny_dir):
     config = json.loads((tiny_dir / "config.json").read_text())
     (tiny_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100000}))
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other jobs on the machine do not count
     with pytest.raises(
         CheckpointError, match="num_hidden_layers=100000, but the checkpoint has tensors for layers 0, 1"
     ) as err:
         BertModel.from_pretrained(tiny_dir)
-    assert time.perf_counter() - start < 5  # was 87 s and 5.3 GB
+    assert time.process_time() - start < 5  # was 87 s and 5.3 GB
     assert len(str(err.value)) < 1000
 
 

@@ -22,6 +22,7 @@ from bert_port import BertConfig, BertModel, SentenceEncoder
 from bert_port.cli.embed import main
 from bert_port.data import load_mr
 from bert_port.embed import read_embeddings, read_index
+from bert_port.embed.corpus import EmbedError
 
 ROOT = Path(__file__).resolve().parent.parent
 MR = load_mr().texts
@@ -330,3 +331,66 @@ def test_ray_data_map_batches(minilm_path, encoder):
     got = torch.from_numpy(np.stack([r["embedding"] for r in rows]))
     torch.testing.assert_close(got, encoder.encode(TEXTS[:60], convert_to_tensor=True), **TOL[torch.float32])
     assert not any(r["truncated"] for r in rows)
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "emptied":
+        path.write_bytes(b"")
+    elif how == "values":  # one byte of the last embedding flipped: the file still parses
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
+    else:  # "ids": another id, valid JSON of the same length
+        record = json.loads(data)
+        record["ids"][0] = "forged"
+        path.write_text(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+@pytest.mark.parametrize("how", ["truncated", "emptied", "values", "ids"])
+def test_damaged_shard_is_named_and_redone_on_resume(tiny_model, tmp_path, how, caplog):
+    """A finished shard damaged afterwards: `read_embeddings` names it in one line; the same
+    command again recomputes it (and says so), and the run reads back as it was written."""
+    src, out = _jsonl(tmp_path / "in.jsonl", TEXTS[:150], IDS[:150]), tmp_path / "out"
+    flags = ["--model", str(tiny_model), *FAST]
+    assert main([str(src), str(out), *flags]) == 0
+    ids, written = read_embeddings(out)
+    index = read_index(out)
+    assert all(len(s["sha256"]) == 64 and s["size"] > 0 for s in index["shards"])
+    name = "shard-00001.ids.json" if how == "ids" else "shard-00001.safetensors"
+    _damage(out / name, how)
+    with pytest.raises(EmbedError, match="shard 1 is damaged") as error:
+        read_embeddings(out)
+    assert "\n" not in str(error.value)
+    caplog.clear()
+    assert main([str(src), str(out), *flags]) == 0
+    assert "shard 1 in" in caplog.text and "computing it again" in caplog.text
+    again_ids, again = read_embeddings(out)
+    assert again_ids == ids
+    np.testing.assert_array_equal(again, written)
+
+
+def test_read_embeddings_memory_mapped(tiny_model, tmp_path):
+    """`mmap=True`: one read-only memory-mapped array per shard, whose rows are the array."""
+    src, out = _jsonl(tmp_path / "in.jsonl", TEXTS[:150], IDS[:150]), tmp_path / "out"
+    assert main([str(src), str(out), "--model", str(tiny_model), *FAST]) == 0
+    ids, whole = read_embeddings(out)
+    mapped_ids, mapped = read_embeddings(out, mmap=True)
+    assert mapped_ids == ids and len(mapped) == 3
+    assert all(isinstance(a, np.memmap) and not a.flags.writeable for a in mapped)
+    np.testing.assert_array_equal(np.concatenate(mapped), whole)
+
+
+def test_odd_index_or_ids_file_is_refused_without_hanging(tiny_model, tmp_path):
+    """An index that is a FIFO or links to /dev/zero is a one-line error, read with a bound."""
+    src, out = _jsonl(tmp_path / "in.jsonl", TEXTS[:70], IDS[:70]), tmp_path / "out"
+    assert main([str(src), str(out), "--model", str(tiny_model), *FAST]) == 0
+    (out / "index.json").unlink()
+    (out / "index.json").symlink_to("/dev/zero")
+    with pytest.raises(EmbedError, match="refused to read"):
+        read_embeddings(out)
+    (out / "index.json").unlink()
+    os.mkfifo(out / "index.json")
+    with pytest.raises(EmbedError, match="refused to read"):
+        read_embeddings(out)

@@ -277,3 +277,44 @@ def test_pre_ln_decoder_generates_as_megatron_bert(tmp_path):
     expected = ref.eval().generate(**prompts, max_new_tokens=10, do_sample=False)
     assert torch.equal(ours.generate(**prompts, max_new_tokens=10), expected)
     assert torch.equal(ours.generate(**prompts, max_new_tokens=10, use_cache=False), expected)
+
+
+def test_right_padding_warns_and_left_padding_does_not(pair, caplog):
+    """`encode`'s right-padded layout: the rows continue differently from each alone, so it is
+    warned about (as transformers warns); the same prompts left-padded are not."""
+    _, ours = pair
+    right = random_batch(99, B=3, T=7, pad="right", seed=3)
+    ours.generate(right["input_ids"], right["attention_mask"], max_new_tokens=2)
+    assert "right padding in the prompts" in caplog.text
+    caplog.clear()
+    ours.generate(**as_prompts(right, drop_sep=False), max_new_tokens=2)
+    assert "right padding" not in caplog.text
+
+
+def test_a_fully_padded_row_is_refused(pair):
+    _, ours = pair
+    batch = random_batch(99, B=3, T=7, pad="left", seed=3)
+    batch["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] of the batch are all padding"):
+        ours.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("length", "new", "advice"),
+    [(5, 60, "at most 4 tokens"), (5, 900, "ask for at most 59 new tokens"), (64, 1, "at most 63 tokens")],
+)
+def test_over_length_message_gives_numbers_that_exist(pair, length, new, advice):
+    """The old message said "at most -896 tokens" when max_new_tokens alone was too many."""
+    _, ours = pair
+    with pytest.raises(ValueError, match=advice) as error:
+        ours.generate(torch.randint(1, 99, (1, length)), max_new_tokens=new)
+    assert "-" not in str(error.value).split(":", 1)[1]
+
+
+def test_temperature_0_with_greedy_follows_transformers(pair, caplog):
+    """Greedy ignores temperature: transformers warns and decodes greedily, and so do we."""
+    hf, ours = pair
+    prompts = _prompts("batch")
+    expected = hf.generate(**prompts, max_new_tokens=6, do_sample=False, temperature=0.0)
+    assert torch.equal(ours.generate(**prompts, max_new_tokens=6, temperature=0.0), expected)
+    assert "temperature only apply to sampling" in caplog.text

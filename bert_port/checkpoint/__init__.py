@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from . import finite, journal, keys, locate, locking, names, reading, shards, staging
+from . import bounded, finite, journal, keys, locate, locking, names, reading, shards, staging
 from .errors import CheckpointError, human_bytes, mismatch_message, short_list
 from .finite import non_finite
 from .keys import (
@@ -91,6 +91,7 @@ __all__ = [
     "StagedWrite",
     "Weights",
     "atomic_write",
+    "bounded",
     "check_layer_count",
     "checkpoint_folder",
     "detect_layout",

@@ -5,24 +5,31 @@ temporary and the file it replaces, and every file the save deletes. A save kill
 that point (SIGKILL, power loss) leaves the folder half old, half new, with the journal
 saying how to finish it.
 
-Each entry records the identity (inode, mtime, size) of the files it expected. A folder
-that another tool wrote after the kill (transformers' `save_pretrained`, a copy) no longer
-matches, and such a journal is *stale*: it is never replayed over newer files. Reading a
-journal and judging it only stats files; finishing one is the write side's job
-(`staging.finish_journal`). Loading never writes.
+Each entry records the identity (inode, mtime, size) of the files it expected, and the
+SHA-256 of each staged file. A folder that another tool wrote after the kill (transformers'
+`save_pretrained`) no longer matches, and such a journal is *stale*: it is never replayed
+over newer files. A copy or move of the folder (`cp -a`, `mv` to another disk) has new
+inodes: its files are then matched by content (staged files by their digest, the files they
+replace by size and mtime), so the copy is judged as its original is. Where the copy's
+mtimes differ too (`cp -r`) but some staged files are provably in place by content while
+others wait, the folder is half one save, half another: LIVE, never stale. Reading a journal
+and judging it reads only the folder's own files; finishing one is the write side's job
+(`staging._apply_journal`). Loading never writes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from .bounded import JSON, RefusedFile, read_text
 from .names import JOURNAL, TEMPORARY, removable, staged_name
 
-FORMAT = 2
+FORMAT = 3  # 3: each rename carries the staged file's SHA-256; 2 is read (identities only)
 Identity = tuple[int, int, int]  # (st_ino, st_mtime_ns, st_size); a folder's is (st_ino, 0, 0)
 
 
@@ -37,12 +44,38 @@ def identity(path: Path) -> Identity | None:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
+def digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _same_old(now: Identity | None, old: Identity | None) -> bool:
+    """`now` is the file the save saw: the same inode, or (a copy, a move) the same mtime and size."""
+    if now is None or old is None:
+        return now == old
+    return now == old or now[1:] == old[1:]
+
+
 @dataclass(frozen=True)
 class Rename:
     tmp: str  # the staged temporary, in the top folder
     target: str  # a name in the folder, or `{module folder}/{name}`
     new: Identity  # the temporary's identity, which the target has once renamed
     old: Identity | None  # the target's identity when the save committed (None: absent)
+    sha256: str = ""  # the staged file's content ("" in a format-2 journal: identity only)
+
+    def holds_new(self, path: Path) -> bool:
+        """`path` holds the staged file: the same inode, or (a copy) the same bytes."""
+        now = identity(path)
+        if now is None or now == self.new:
+            return now is not None
+        if not self.sha256 or now[2] != self.new[2] or not path.is_file() or path.is_symlink():
+            return False
+        return digest(path) == self.sha256
 
 
 @dataclass(frozen=True)
@@ -68,7 +101,7 @@ class Journal:
         return json.dumps(
             {
                 "format": FORMAT,
-                "rename": [[r.tmp, r.target, list(r.new), r.old and list(r.old)] for r in self.renames],
+                "rename": [[r.tmp, r.target, list(r.new), r.old and list(r.old), r.sha256] for r in self.renames],
                 "remove": [[r.name, list(r.old)] for r in self.removals],
             }
         )
@@ -79,22 +112,31 @@ class Journal:
             left = any((directory / r.tmp).exists() for r in self.renames)
             left |= any((directory / r.name).exists() for r in self.removals)
             return State.LEGACY if left else State.DONE
-        pending = False
+        pending = done = changed = False
         for r in self.renames:
-            tmp, target = identity(directory / r.tmp), identity(directory / r.target)
-            if tmp is None and target == r.new:
-                continue  # renamed
-            if tmp != r.new or target != r.old:
-                return State.STALE  # the temporary or its target is no longer what the save saw
+            tmp = directory / r.tmp
+            if identity(tmp) is None and r.holds_new(directory / r.target):
+                done = True  # renamed
+                continue
+            if not r.holds_new(tmp):
+                return State.STALE  # the temporary is no longer what the save staged
             pending = True
+            changed |= not _same_old(identity(directory / r.target), r.old)
         for r in self.removals:
             now = identity(directory / r.name)
-            if now is None:
-                continue
-            if now != r.old:
-                return State.STALE
-            pending = True
+            if now is not None:
+                pending = True
+                changed |= not _same_old(now, r.old)
+        if changed:
+            # Written since, or copied without mtimes: stale, unless part of this save is
+            # provably in place and part still staged, and the folder is a mix either way.
+            return State.LIVE if done and pending and not self.legacy_identities else State.STALE
         return State.LIVE if pending else State.DONE
+
+    @property
+    def legacy_identities(self) -> bool:
+        """A format-2 journal: renames matched by inode only, so "in place" is never proven for a copy."""
+        return not all(r.sha256 for r in self.renames)
 
 
 class InvalidJournal(ValueError):
@@ -112,17 +154,24 @@ def _parse(plan: object) -> Journal:
     renames, removals = plan["rename"], plan["remove"]
     if not isinstance(renames, list) or not isinstance(removals, list):
         raise InvalidJournal("rename and remove must be lists")
-    if plan.get("format") != FORMAT:  # format 1: [[tmp, target]], [name]
+    if plan.get("format") in (None, 1):  # format 1: [[tmp, target]], [name]
         legacy = Journal(
             tuple(Rename(tmp, target, (0, 0, 0), None) for tmp, target in renames),
             tuple(Removal(n, (0, 0, 0)) for n in removals),
             legacy=True,
         )
         return legacy
-    return Journal(
-        tuple(Rename(t, g, _identity_of(n), None if o is None else _identity_of(o)) for t, g, n, o in renames),
-        tuple(Removal(n, _identity_of(o)) for n, o in removals),
-    )
+    if plan.get("format") not in (2, FORMAT):
+        raise InvalidJournal(f"unknown format {plan.get('format')!r}")
+    return Journal(tuple(_rename(entry) for entry in renames), tuple(Removal(n, _identity_of(o)) for n, o in removals))
+
+
+def _rename(entry: list) -> Rename:
+    tmp, target, new, old, *rest = entry  # format 2: no digest
+    sha256 = rest[0] if rest else ""
+    if len(rest) > 1 or not isinstance(sha256, str) or (sha256 and len(sha256) != 64):
+        raise InvalidJournal(f"bad rename entry {entry!r:.200}")
+    return Rename(tmp, target, _identity_of(new), None if old is None else _identity_of(old), sha256)
 
 
 def read_journal(directory: str | os.PathLike) -> Journal | None:
@@ -130,9 +179,11 @@ def read_journal(directory: str | os.PathLike) -> Journal | None:
     not one this package wrote."""
     path = Path(directory) / JOURNAL
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, JSON, Path(directory))
     except FileNotFoundError:
         return None
+    except RefusedFile as exc:
+        raise InvalidJournal(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidJournal(f"unreadable ({exc})") from None
     try:

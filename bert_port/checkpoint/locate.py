@@ -9,6 +9,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import bounded
 from .errors import CheckpointError
 from .names import CONFIG_NAME, WEIGHT_NAMES
 
@@ -113,7 +114,7 @@ def _why_not_in_cache(model_id: str, revision: str, cache: Path, rule: str) -> C
         )
     ref = repo / "refs" / revision
     try:
-        commit = ref.read_text(encoding="utf-8") if ref.is_file() else revision
+        commit = bounded.read_text(ref, bounded.SMALL, repo) if ref.is_file() else revision
     except (OSError, UnicodeDecodeError) as exc:
         return CheckpointError(f"cannot read the cache ref {ref} ({exc}); download the model again")
     if ref.is_file() and not (_is_ref_name(commit) and "/" not in commit and commit == commit.strip()):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .bounded import JSON, read_text
 from .errors import CheckpointError, short_list
 from .journal import InvalidJournal, State, read_journal
 from .locking import shared_lock
@@ -86,7 +87,7 @@ def read_st_modules(directory: str | os.PathLike) -> list[dict]:
     be a JSON list of objects; `CheckpointError` saying to restore it otherwise."""
     path = Path(directory) / ST_MODULES
     try:
-        modules = json.loads(path.read_text(encoding="utf-8"))
+        modules = json.loads(read_text(path, JSON, folder=False))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not readable JSON ({exc}); restore it from the original checkpoint") from None
     if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
@@ -192,7 +193,7 @@ _SHARD_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def _read_index(path: Path) -> Weights:
     try:
-        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads(read_text(path, JSON, folder=False))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except OSError as exc:
         raise _unreadable(path, exc) from None

@@ -49,12 +49,23 @@ def _own_storage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _as_os_error(exc: Exception, path: Path) -> Exception:
+    """safetensors reports a failed write (a full disk) as `SafetensorError: ... (os error 28)`:
+    the `OSError` it is, so that callers tell the machine's faults from the input's."""
+    found = re.search(r"os error (\d+)", str(exc))
+    if found is None:
+        return exc
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
 def stage_weights(stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shard_size: int | str = "5GB") -> list[str]:
     """Stage `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus
     `model.safetensors.index.json` when the weights exceed `max_shard_size` (HF's names and
     index format, split by huggingface_hub as transformers splits them). Returns the file
     names staged, the index last."""
     from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = _own_storage(state_dict)
@@ -62,7 +73,11 @@ def stage_weights(stage: StagedWrite, state_dict: Mapping[str, Tensor], max_shar
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     names = []
     for name, keys in split.filename_to_tensors.items():
-        save_file({k: tensors[k] for k in keys}, str(stage.path(name)), metadata=metadata)
+        path = stage.path(name)
+        try:
+            save_file({k: tensors[k] for k in keys}, str(path), metadata=metadata)
+        except SafetensorError as exc:
+            raise _as_os_error(exc, path) from None
         names.append(name)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}

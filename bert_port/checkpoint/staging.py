@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from .bounded import SMALL, RefusedFile, read_text
 from .errors import CheckpointError, human_bytes
-from .journal import InvalidJournal, Journal, Removal, Rename, State, identity, read_journal
+from .journal import InvalidJournal, Journal, Removal, Rename, State, digest, identity, read_journal
 from .locking import DirectoryLock
 from .names import CONFIG_NAME, JOURNAL, STAGING, TEMPORARY, removable, staged_name
 
@@ -128,9 +129,9 @@ def _abandon_journal(directory: Path, journal: Journal) -> tuple[int, int]:
     count = size = 0
     for r in journal.renames:
         tmp = directory / r.tmp
-        if not journal.legacy and identity(tmp) == r.new:
+        if not journal.legacy and r.holds_new(tmp):  # the very file the save staged, or a copy of it
             size += r.new[2]
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
             count += 1
     (directory / JOURNAL).unlink(missing_ok=True)
     return count, size
@@ -164,6 +165,8 @@ def _clean_journal(directory: Path, cleanup: Cleanup) -> None:
     try:
         journal = read_journal(directory)
     except InvalidJournal as exc:
+        if (directory / JOURNAL).is_dir() and not (directory / JOURNAL).is_symlink():
+            raise CheckpointError(f"{directory / JOURNAL} is a folder, not a commit journal; move it away") from None
         log.warning("%s: removing %s, not a commit journal this package wrote (%s)", directory, JOURNAL, exc)
         (directory / JOURNAL).unlink()
         cleanup.journal = "invalid"
@@ -197,7 +200,12 @@ def _clean_up(directory: Path) -> Cleanup:
     for entry in os.scandir(directory):
         if not _STAGING_LIST.fullmatch(entry.name) or entry.path in StagedWrite.active:
             continue
-        for name in Path(entry.path).read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            names = read_text(entry.path, SMALL, directory, errors="replace").splitlines()
+        except (RefusedFile, OSError) as exc:  # not a list a save of ours wrote: leave it, and its names, alone
+            log.warning("%s", exc)
+            continue
+        for name in names:
             tmp = directory / name
             if TEMPORARY.fullmatch(name) and "/" not in name and tmp.is_file() and not tmp.is_symlink():
                 cleanup.nbytes += tmp.stat().st_size
@@ -298,7 +306,10 @@ class StagedWrite:
     def _journal(self) -> Journal:
         # Config last: a reader that sees the new config sees the new weights.
         order = sorted(self._staged.items(), key=lambda item: item[0] == CONFIG_NAME)
-        renames = tuple(Rename(tmp.name, name, identity(tmp), identity(self.directory / name)) for name, tmp in order)
+        # The digest makes the staged files recognisable in a copy of the folder (new inodes).
+        renames = tuple(
+            Rename(tmp.name, name, identity(tmp), identity(self.directory / name), digest(tmp)) for name, tmp in order
+        )
         present = [(n, identity(self.directory / n)) for n in self._remove]
         return Journal(renames, tuple(Removal(n, old) for n, old in present if old is not None))
 
@@ -309,10 +320,14 @@ class StagedWrite:
             os.chmod(tmp, mode)
         journal = self._journal()
         journal_tmp = self._temporary(JOURNAL)
-        with open(journal_tmp, "w", encoding="utf-8") as f:
-            f.write(journal.to_json())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(journal_tmp, "w", encoding="utf-8") as f:
+                f.write(journal.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk before the commit point: the journal's temporary goes too
+            journal_tmp.unlink(missing_ok=True)
+            raise
         with _signals_deferred():
             os.replace(journal_tmp, self.directory / JOURNAL)  # the commit point
             # From here the temporaries belong to the journal: a failure below leaves them

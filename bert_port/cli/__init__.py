@@ -7,6 +7,20 @@ import argparse
 from collections.abc import Callable
 
 
+def disk_full(exc: BaseException) -> bool:
+    """A write that failed for want of space (a full disk, a quota), not for a bad input."""
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_line(exc: OSError, output: object, kept: str) -> str:
+    """The one line a command prints for a full disk: where, and what was kept."""
+    return (
+        f"error: no space left writing {exc.filename or output} ({exc.strerror}); {kept}. Free some space and run again"
+    )
+
+
 def positive_int(text: str) -> int:
     """argparse `type=` for a count flag (`--batch-size`): an integer of at least 1, or a
     usage error naming the value."""
@@ -86,6 +100,7 @@ def run_training(run: Callable[[], dict | None], report: Callable[[dict, float],
     from bert_port.config import ConfigError
     from bert_port.data import DataError
     from bert_port.extras import MissingExtra
+    from bert_port.metrics import MetricError
     from bert_port.training import FinetuneError
 
     rank = int(os.environ.get("RANK", "0"))
@@ -98,12 +113,12 @@ def run_training(run: Callable[[], dict | None], report: Callable[[dict, float],
     try:
         with logging_redirect_tqdm():
             metrics = run()
-    except (DataError, FinetuneError, CheckpointError, ConfigError, MissingExtra) as exc:
+    except (DataError, FinetuneError, CheckpointError, ConfigError, MissingExtra, MetricError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the machine, not the input: a full disk, a vanished mount
+    except OSError as exc:  # the machine, not the input: a vanished mount (a full disk is a FinetuneError)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if disk_full(exc) else 1
     if metrics is not None and rank == 0:
         print(report(metrics, time.perf_counter() - t0))
     return 0

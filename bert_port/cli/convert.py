@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bert_port.cli import disk_full, disk_full_line
+
 if TYPE_CHECKING:
     from bert_port import checkpoint as ckpt
     from bert_port.base_bert import BertPreTrainedModel
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # DST not writable, disk full, ...: the previous files in DST are intact
-        print(f"error: {exc}", file=sys.stderr)
+        kept = f"the files that were in {args.dst or args.repair} are intact"
+        print(disk_full_line(exc, args.dst, kept) if disk_full(exc) else f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from bert_port.cli import positive_int, thread_count
+from bert_port.cli import disk_full, disk_full_line, positive_int, thread_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = execute(job)
-    except OSError as exc:  # the machine, not the input (a full disk); finished shards are kept
+    except OSError as exc:  # the machine, not the input; finished shards are kept
+        if disk_full(exc):
+            print(
+                disk_full_line(exc, args.output, "every finished shard is kept, and a rerun resumes"), file=sys.stderr
+            )
+            return 2
         print(f"error: cannot write {args.output}: {exc}; free space or fix permissions and rerun", file=sys.stderr)
         return 1
     if world()[0] == 0:

@@ -36,7 +36,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bert_port.cli import positive_int
+from bert_port.cli import disk_full, disk_full_line, positive_int
 
 ACTIVATIONS = ("auto", "none", "sigmoid")
 # The activations of sentence-transformers' CrossEncoder configs that this command applies.
@@ -225,8 +225,7 @@ def _run(args: argparse.Namespace, job: dict) -> int:
     try:
         _write_predictions(out, dataset.records, rows)
     except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
-        print(f"error: cannot write {out}: {exc}", file=sys.stderr)
-        return 1
+        return _write_failed(exc, out)
     print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)})")
     return 0
 
@@ -276,6 +275,15 @@ def _prepare_tagging(args: argparse.Namespace, device, out: Path) -> dict:
     return {**job, "inputs": inputs, "records": records, "model": model, "tokenizer": tokenizer}
 
 
+def _write_failed(exc: OSError, out: Path) -> int:
+    """Exit 2 with one line for a full disk (the input was fine, and --output is untouched), 1 otherwise."""
+    if disk_full(exc):
+        print(disk_full_line(exc, out, f"{out} was left as it was"), file=sys.stderr)
+        return 2
+    print(f"error: cannot write {out}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _output_folder(out: Path) -> None:
     from bert_port.training import FinetuneError
 
@@ -305,8 +313,7 @@ def _run_tagging(args: argparse.Namespace, job: dict) -> int:
     try:
         _write_predictions(out, job["records"], rows)
     except OSError as exc:
-        print(f"error: cannot write {out}: {exc}", file=sys.stderr)
-        return 1
+        return _write_failed(exc, out)
     cut = sum(s.truncated for s in scored)
     note = f"; {cut} text(s) cut at {job['max_length']} tokens, untagged past the cut" if cut else ""
     print(f"wrote {len(rows)} predictions to {out} ({job['problem'].summary(job['names'], rows)}{note})")

@@ -135,7 +135,12 @@ def prepare(
     return Job(encoder, found, columns, output, prompt, opts, settings, previous)
 
 
-def _index(job: Job, complete: bool, truncated: int | None = None) -> dict:
+def _index(job: Job, complete: bool, truncated: int | None = None, written: list | None = None) -> dict:
+    """The run's index; `written` holds each shard's ids-file record once all are finished,
+    whose embeddings size and SHA-256 the completed index keeps."""
+    shards = [dict(zip(("embeddings", "ids"), store.shard_names(k)), rows=job.rows(k)) for k in range(job.n_shards)]
+    for shard, data in zip(shards, written or (), strict=False):
+        shard.update(data.get("embeddings") or {})
     dim = len(job.encoder.pooling) * job.encoder.model.config.hidden_size
     return {
         "format": store.FORMAT,
@@ -143,9 +148,7 @@ def _index(job: Job, complete: bool, truncated: int | None = None) -> dict:
         "texts": job.found.count,
         "dim": dim,
         "dtype": job.opts.dtype,
-        "shards": [
-            dict(zip(("embeddings", "ids"), store.shard_names(k)), rows=job.rows(k)) for k in range(job.n_shards)
-        ],
+        "shards": shards,
         "complete": complete,
         "truncated": truncated,
         "truncated_file": store.TRUNCATED if complete else None,
@@ -184,14 +187,15 @@ def _compute(job: Job, rank: int, size: int) -> tuple[int, int]:
 def _finish(job: Job) -> tuple[int, int]:
     """Rank 0, after every shard: the truncation file and the completed index, one commit.
     Returns (truncated texts, tokens recorded in all shards)."""
-    truncated, tokens = [], 0
+    truncated, tokens, written = [], 0, []
     for k in range(job.n_shards):
         data = store.finished(job.output, k, job.rows(k), job.run_id)
         if data is None:
             raise EmbedError(f"shard {k} is missing after the run; run the command again to compute it")
         truncated += data["truncated"]
         tokens += data["tokens"]
-    index = _index(job, True, len(truncated))
+        written.append(data)
+    index = _index(job, True, len(truncated), written)
     if store.read_index(job.output) != index:
         report = {"max_seq_length": job.encoder.max_seq_length, "count": len(truncated), "ids": truncated}
         with ckpt.StagedWrite(job.output) as stage:

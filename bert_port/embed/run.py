@@ -16,6 +16,7 @@ not at all; a rerun skips the shards whose ids file carries this run's fingerpri
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -234,13 +235,18 @@ def shards(stream: Iterable[Record], size: int) -> Iterator[tuple[int, list[Reco
 
 
 def write_shard(directory: Path, k: int, embeddings: torch.Tensor, ids: list, meta: dict) -> None:
-    """Shard `k`'s embeddings and ids file, committed together (all or nothing)."""
-    from safetensors.torch import save_file
+    """Shard `k`'s embeddings and ids file, committed together (all or nothing). The ids file
+    records the embeddings file's size and SHA-256 and the ids' SHA-256, which a resume and
+    `read_embeddings` check."""
+    from safetensors.torch import save
 
     emb_name, ids_name = store.shard_names(k)
+    blob = save({"embeddings": embeddings.contiguous()})
+    written = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    record = {**meta, "embeddings": written, "ids_sha256": store.ids_digest(ids), "ids": ids}
     with ckpt.StagedWrite(directory) as stage:
-        save_file({"embeddings": embeddings.contiguous()}, stage.path(emb_name))
-        stage.text(ids_name, json.dumps({**meta, "ids": ids}, ensure_ascii=False) + "\n")
+        stage.path(emb_name).write_bytes(blob)
+        stage.text(ids_name, json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def world() -> tuple[int, int]:

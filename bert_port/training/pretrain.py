@@ -34,9 +34,11 @@ from .. import checkpoint as ckpt
 from ..assets import minilm_dir
 from ..config import BertConfig
 from ..heads import BertForMaskedLM, BertLMHeadModel
+from ..metrics import require_items
 from ..reference import hf_twin
 from ..tokenization import SPECIAL_TOKENS, load_tokenizer
 from .batching import chunks
+from .data_signal import check_blocks
 from .lm_data import BlockCollator, LMSplits, load_lm_texts, loss_function, make_blocks, target_count, token_losses
 from .lm_settings import PretrainConfig, model_config_path
 from .masking import Masking
@@ -82,7 +84,8 @@ def evaluate_lm(
         sums[1] += target_count(batch["labels"], objective).sum().double()
     loss_sum, tokens = dist_info.sum(sums).tolist()
     model.train(was_training)
-    loss = loss_sum / max(tokens, 1.0)
+    require_items(tokens, "target tokens", "the validation loss")
+    loss = loss_sum / tokens
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": int(tokens), "n": len(collate.blocks)}
 
 
@@ -109,6 +112,22 @@ def check_model_for(cfg: PretrainConfig, config: BertConfig, tokenizer) -> None:
             "predict masked tokens from both sides; use --objective clm, or a checkpoint with is_decoder false"
         )
     size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if cfg.config is not None and size < config.vocab_size:
+        # A new model's output layer would spread the step-0 loss over ids no text can hold
+        # (ln 30,522 on a 117-token vocabulary).
+        raise FinetuneError(
+            f"the tokenizer has {size} tokens but {where} has vocab_size {config.vocab_size}: a new model would "
+            f"predict {config.vocab_size - size} ids the tokenizer never produces; set vocab_size to {size} in the "
+            "config, or use a tokenizer of that vocabulary (--tokenizer)"
+        )
+    if size < config.vocab_size:
+        log.warning(
+            "the tokenizer has %d tokens and %s has vocab_size %d: ids %d and up never occur in the text",
+            size,
+            where,
+            config.vocab_size,
+            size,
+        )
     if size > config.vocab_size:
         raise FinetuneError(
             f"the tokenizer has {size} tokens but {where} has vocab_size {config.vocab_size}: its ids would fall "
@@ -172,6 +191,8 @@ class PretrainRecipe(FinetuneRecipe):
             train=make_blocks(tokenizer, train, cfg.block_size, "training"),
             validation=make_blocks(tokenizer, validation, cfg.block_size, "validation"),
         )
+        for split, blocks in (("training", self.splits.train), ("validation", self.splits.validation)):
+            check_blocks(tokenizer, blocks.input_ids, split, blocks.source, masked=cfg.objective == "mlm")
 
     def _build_model_and_data(self) -> None:
         cfg, d, splits = self.cfg, self.d, self.splits

@@ -55,6 +55,7 @@ from ..extras import require
 from ..problem import ProblemType
 from ..tokenization import load_tokenizer
 from .batching import Collator, chunks
+from .data_signal import check_texts
 from .evaluation import evaluate
 from .reference import build_model, load_trained, require_reference, save_model
 from .reporting import (
@@ -181,6 +182,8 @@ class FinetuneRecipe:
         self.model, self.source_dir = build_model(cfg, splits.names)
         self.model.to(d.device)
         tokenizer = load_tokenizer(self.source_dir)
+        for split in ("train", "validation"):  # no run, and no metric, from data the tokenizer cannot read
+            check_texts(tokenizer, getattr(splits, split).texts, split, getattr(splits, split).source)
         self.train_collate = self._collator(tokenizer, splits.train)
         self.val_collate = self._collator(tokenizer, splits.validation)
         self.test_collate = self._collator(tokenizer, splits.test) if splits.test is not None else None

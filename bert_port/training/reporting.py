@@ -257,10 +257,10 @@ def compare_with(metrics: dict[str, Any], other_path: Path, out: Path) -> None:
     """Add the comparison with the run whose metrics.json is `other_path` to `metrics`, and
     plot both into `out`; a run that cannot be read is a warning, never a lost run."""
     try:
-        other = json.loads(other_path.read_text(encoding="utf-8"))
+        other = json.loads(ckpt.bounded.read_text(other_path, ckpt.bounded.JSON, folder=False))
         metrics["comparison"] = compare_runs(metrics, other)
         plot_curves(metrics, out / "comparison_curves.png", other)
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # never lose a finished run over it
+    except (OSError, ValueError, KeyError, TypeError, ckpt.CheckpointError) as exc:  # never lose a finished run
         log.warning(
             "compare_to: cannot compare with %s (%s: %s); the run itself is complete",
             other_path,

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last-checkpoint.pt"
 STATE_FORMAT = 2  # of last-checkpoint.pt; 2: schedules as transformers', progress by optimiser step
+STATE_LIMIT = 1 << 40  # bytes: a state is about 3x its model; a larger file is not one
 DATA_SETTINGS = ("train", "validation")  # the files whose bytes decide the run (not --test)
 
 
@@ -127,15 +128,28 @@ def restore(recipe: FinetuneRecipe, state: dict[str, Any]) -> None:
 def save_state(state: dict[str, Any], path: Path) -> None:
     """Write `state` with `torch.save` under a temporary name and rename it into place
     (`checkpoint.atomic_write`). Through an open file, so that a full disk is the `OSError`
-    (ENOSPC) it is, not torch's "unexpected pos" RuntimeError."""
+    (ENOSPC) it is, not torch's "unexpected pos" RuntimeError: torch's zip writer raises that
+    while unwinding from the file's `OSError`, which is raised again here."""
     with ckpt.atomic_write(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
+        try:
+            torch.save(state, f)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    """The state in `path`, on the CPU; a damaged file is a `FinetuneError` that says what to do."""
+    """The state in `path`, on the CPU; a damaged file is a `FinetuneError` that says what to do.
+    It must be a regular file in the run folder (`checkpoint.bounded`): a FIFO or a link to a
+    device would block or never end."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        fd = ckpt.bounded.open_regular(path, STATE_LIMIT, Path(path).parent)
+    except ckpt.CheckpointError as exc:
+        raise FinetuneError(f"{exc}; or start the run again with --overwrite, or in another --output-dir") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 (torch raises many types for a damaged file)
         raise FinetuneError(
             f"cannot read {path} ({type(exc).__name__}: {str(exc)[:200]}); it is damaged. Start "
