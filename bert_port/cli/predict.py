@@ -152,6 +152,9 @@ def _prepare(args: argparse.Namespace) -> dict:
     dataset = load_texts(args.input, text_column, None, pair_column, keep_records=True)
     config_file = locate_checkpoint(args.model).config_file
     config = BertConfig.from_json_file(config_file)
+    if not config.id2label and _is_sequence_classifier(config):
+        # transformers 5 writes no id2label for its default labels; its pipeline reads them as LABEL_i.
+        config.id2label = {i: f"LABEL_{i}" for i in range(config.num_labels)}
     if not config.id2label:
         raise ConfigError(
             f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
@@ -182,6 +185,11 @@ def _prepare(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+def _is_sequence_classifier(config) -> bool:
+    """Whether config.json's `architectures` names a sequence classifier (saved by transformers)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.extra.get("architectures") or ())
 
 
 def _checked_output(args: argparse.Namespace) -> Path:
