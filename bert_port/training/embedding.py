@@ -85,7 +85,7 @@ def train_embedding(
         value = loss(features, labels)
         value.backward()
         optimizer.step()
-        losses.append(float(value))
+        losses.append(float(value.detach()))
         log.info("step %d: loss %.4f", step + 1, losses[-1])
     encoder.eval()
     return losses

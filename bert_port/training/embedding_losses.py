@@ -176,11 +176,14 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         self.check(features, labels)
         chunks = [_chunks(column, self.mini_batch_size) for column in features]
         states, reps = [[] for _ in chunks], [[] for _ in chunks]
-        with torch.no_grad():  # first pass: embeddings only, the RNG state before each mini-batch kept
+        # First pass: embeddings only, the RNG state before each mini-batch kept. With dropout on it
+        # runs with autograd on (each graph freed at once by the detach), since the model picks its
+        # attention kernel by whether autograd is on and kernels draw dropout masks differently.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.encoder.training):
             for column, column_states, column_reps in zip(chunks, states, reps):
                 for chunk in column:
                     column_states.append(_rng_state())
-                    column_reps.append(self.encoder(**chunk))
+                    column_reps.append(self.encoder(**chunk).detach())
         if not torch.is_grad_enabled():
             return self.from_embeddings([torch.cat(r) for r in reps])
         leaves = [[r.detach().requires_grad_() for r in column] for column in reps]
