@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -133,10 +135,27 @@ def quantize_embeddings(
     return buckets.astype(np.uint8) if precision == "uint8" else (buckets - 128).astype(np.int8)
 
 
+def embedding_shards(directory: str | os.PathLike) -> Iterator[np.ndarray]:
+    """The (n, D) embeddings of a finished `bert-port-embed` run, one shard at a time, in the
+    order of its ids (`read_embeddings(directory)[0]`): only one shard is in memory at once."""
+    from safetensors.numpy import load_file
+
+    from .embed.store import INDEX, read_index
+
+    directory = Path(directory)
+    index = read_index(directory)
+    if index is None or not index.get("complete"):
+        raise ValueError(f"{directory} is not a finished bert-port-embed run (no complete {INDEX}); run it to the end")
+    for shard in index["shards"]:
+        yield load_file(directory / shard["embeddings"])["embeddings"]
+
+
 def _corpus_chunks(corpus, chunk_size: int):
-    """(start, (n, D) tensor) over a corpus given as one array/tensor or a sequence of them
-    (shards, read in order: row ids run on across shards)."""
-    parts = [corpus] if isinstance(corpus, (np.ndarray, Tensor)) else list(corpus)
+    """(start, (n, D) tensor) over a corpus given as one array/tensor, an iterable of them
+    (shards, taken one at a time, row ids running on across them) or a `bert-port-embed` folder."""
+    if isinstance(corpus, (str, os.PathLike)):
+        corpus = embedding_shards(corpus)
+    parts = [corpus] if isinstance(corpus, (np.ndarray, Tensor)) else corpus
     start = 0
     for part in parts:
         for i in range(0, len(part), chunk_size):
@@ -147,7 +166,7 @@ def _corpus_chunks(corpus, chunk_size: int):
 
 def semantic_search(
     query_embeddings,
-    corpus_embeddings: np.ndarray | Tensor | Sequence[np.ndarray | Tensor],
+    corpus_embeddings: np.ndarray | Tensor | Iterable[np.ndarray | Tensor] | str | os.PathLike,
     top_k: int = 10,
     score_function: str | Callable[[Tensor, Tensor], Tensor] = "cosine",
     query_chunk_size: int = 100,
@@ -156,9 +175,10 @@ def semantic_search(
     """For each query, the `top_k` corpus rows of highest score, best first, as
     `sentence_transformers.util.semantic_search` returns them: `[[{"corpus_id": i, "score": s}, ...], ...]`.
 
-    `corpus_embeddings` is an (M, D) array or tensor, memory-mapped or not, or a sequence of
-    them (the shards of a `bert-port-embed` run, ids numbered on across shards); it is read
-    `corpus_chunk_size` rows at a time. `score_function` is a `similarity_fn_name` or a function
+    `corpus_embeddings` is an (M, D) array or tensor, memory-mapped or not, an iterable of them
+    (shards, ids numbered on across them, taken one at a time), or the output folder of a
+    `bert-port-embed` run (its shards, one in memory at a time; `corpus_id` indexes
+    `read_embeddings(folder)[0]`); it is read `corpus_chunk_size` rows at a time. `score_function` is a `similarity_fn_name` or a function
     of two matrices."""
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")

@@ -145,3 +145,21 @@ def test_truncation_warning_once_per_encoder(minilm_path, caplog):
 def test_bad_precision_is_refused(encoder):
     with pytest.raises(ValueError, match="precision 'int4' is not supported"):
         encoder.encode(TEXTS, precision="int4")
+
+
+def test_semantic_search_over_a_bert_port_embed_run(minilm_path, encoder, tmp_path):
+    """The shards of a real `bert-port-embed` run (three of 4 texts), one at a time: the same
+    hits as the search over the whole array, `corpus_id` indexing the run's ids."""
+    from bert_port.cli.embed import main as embed_main
+    from bert_port.embed import read_embeddings
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS[:-1] + ["a quiet evening at home", "the horse ran fast"]) + "\n")
+    out = tmp_path / "run"
+    assert embed_main([str(corpus), str(out), "--model", str(minilm_path), "--shard-size", "4"]) == 0
+    ids, whole = read_embeddings(out)
+    queries = encoder.encode(["a person eats", "horse riding"])
+    expected = sim.semantic_search(queries, whole, top_k=3)
+    got = sim.semantic_search(queries, out, top_k=3, corpus_chunk_size=2)
+    assert [[h["corpus_id"] for h in q] for q in got] == [[h["corpus_id"] for h in q] for q in expected]
+    assert len(list(sim.embedding_shards(out))) == 3 and len(ids) == len(whole) > 8
