@@ -151,3 +151,27 @@ def test_losses_refuse_wrong_columns(minilm_path):
         el.TripletLoss(encoder)([{}, {}])
     with pytest.raises(ValueError, match="CoSENTLoss needs a score per row"):
         el.CoSENTLoss(encoder)([{}, {}])
+
+
+def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys):
+    """`bert-port-train-embedding` on a small config: retrieval before and after on held-out
+    pairs, a sentence-transformers folder with metrics.json; an unknown field is refused."""
+    import json
+
+    from bert_port.cli.train_embedding import main
+
+    config = {"checkpoint": str(tiny_st_folder), "test_pairs": 20, "max_train_pairs": 40, "loss": "cached_mnrl"}
+    config.update(
+        {"mini_batch_size": 3, "batch_size": 8, "max_steps": 2, "lr": 1e-3, "output_dir": str(tmp_path / "out")}
+    )
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    assert main(["--config", str(path)]) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["test_pairs"] == 20 and metrics["train_pairs"] == 40 and len(metrics["step_losses"]) == 2
+    assert {"cosine_mrr@10", "cosine_ndcg@10"} <= set(metrics["before"]) & set(metrics["after"])
+    assert '"cosine_mrr@10"' in capsys.readouterr().out
+    _st_model(tmp_path / "out")  # loads as a sentence-transformers folder
+    path.write_text(json.dumps({**config, "learning_rate": 1e-3}))
+    assert main(["--config", str(path)]) == 2
+    assert "unknown field(s) learning_rate" in capsys.readouterr().err

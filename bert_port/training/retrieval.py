@@ -75,8 +75,12 @@ def retrieval_metrics(
     unknown = sorted({d for q in query_ids for d in relevant_docs[q]} - set(position))
     if unknown:
         raise ValueError(f"relevant_docs names {len(unknown)} id(s) not in the corpus, e.g. {unknown[:3]}")
-    q = encoder.encode_query([queries[i] for i in query_ids], batch_size=batch_size, convert_to_tensor=True)
-    c = encoder.encode_document([corpus[i] for i in corpus_ids], batch_size=batch_size, convert_to_tensor=True)
+    q = encoder.encode_query(
+        [queries[i] for i in query_ids], batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False
+    )
+    c = encoder.encode_document(
+        [corpus[i] for i in corpus_ids], batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False
+    )
     k = max(*ACCURACY_AT_K, *MRR_AT_K, *NDCG_AT_K, *MAP_AT_K)
     results = semantic_search(q, c, top_k=k, score_function="cosine")
     return rank_metrics(results, [{position[d] for d in relevant_docs[i]} for i in query_ids])
@@ -89,8 +93,8 @@ def similarity_metrics(
     (cosine): Pearson and Spearman correlation of each pair's cosine with its gold score."""
     if not len(sentences1) == len(sentences2) == len(scores) or len(scores) < 2:
         raise ValueError("sentences1, sentences2 and scores must be of one length, at least 2")
-    a = encoder.encode(list(sentences1), batch_size=batch_size, convert_to_tensor=True)
-    b = encoder.encode(list(sentences2), batch_size=batch_size, convert_to_tensor=True)
+    a = encoder.encode(list(sentences1), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
+    b = encoder.encode(list(sentences2), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
     cosine = pairwise_cos_sim(a, b).cpu().numpy()
     return {
         "pearson_cosine": float(pearsonr(scores, cosine)[0]),
