@@ -407,7 +407,23 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
         them; `saving` writes them all."""
         files, folders = self._pipeline_files()
         carried = saving.carried_sentence_files(self.model, save_directory)
+        model_config = self._model_config_text(carried.files.get(ckpt.ST_MODEL_CONFIG))
+        if model_config is not None:
+            files[ckpt.ST_MODEL_CONFIG] = model_config
         return saving.save_pretrained(self.model, save_directory, sentence=carried.updated(files, folders))
+
+    def _model_config_text(self, carried: Path | None) -> str | None:
+        """`config_sentence_transformers.json` with this encoder's prompts and similarity function
+        over the carried one's other fields; None when both are the defaults and nothing carried sets them."""
+        source = carried or Path(self.model.source_dir or ".") / ckpt.ST_MODEL_CONFIG
+        config = _read_json(source) if source.is_file() else {}
+        settings = {"prompts": self.prompts, "default_prompt_name": self.default_prompt_name}
+        settings["similarity_fn_name"] = self.similarity_fn_name
+        if not (self.prompts or self.default_prompt_name or self.similarity_fn_name != "cosine") and not (
+            set(settings) & set(config)
+        ):
+            return None
+        return json.dumps({**config, **settings}, indent=2) + "\n"
 
     def _pipeline_files(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
         """The texts of `modules.json` and `sentence_bert_config.json`, and of the module

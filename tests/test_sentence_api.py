@@ -163,3 +163,23 @@ def test_semantic_search_over_a_bert_port_embed_run(minilm_path, encoder, tmp_pa
     got = sim.semantic_search(queries, out, top_k=3, corpus_chunk_size=2)
     assert [[h["corpus_id"] for h in q] for q in got] == [[h["corpus_id"] for h in q] for q in expected]
     assert len(list(sim.embedding_shards(out))) == 3 and len(ids) == len(whole) > 8
+
+
+def test_prompts_and_similarity_function_are_saved(minilm_path, tmp_path):
+    """Prompts and `similarity_fn_name` set on an encoder are written to
+    config_sentence_transformers.json (its other fields kept): sentence-transformers reads them back."""
+    from sentence_transformers import SentenceTransformer
+
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    encoder.prompts, encoder.default_prompt_name = {"query": "query: ", "document": ""}, "query"
+    encoder.similarity_fn_name = "dot"
+    out = encoder.save_pretrained(tmp_path / "saved")
+    st = SentenceTransformer(str(out), device="cpu", local_files_only=True)
+    assert st.prompts == encoder.prompts and st.default_prompt_name == "query" and st.similarity_fn_name == "dot"
+    again = SentenceEncoder.from_pretrained(out)
+    assert (again.prompts, again.default_prompt_name, again.similarity_fn_name) == (encoder.prompts, "query", "dot")
+    torch.testing.assert_close(
+        again.encode(TEXTS[:3], convert_to_tensor=True),
+        st.encode(TEXTS[:3], convert_to_tensor=True),
+        **TOL[torch.float32],
+    )
