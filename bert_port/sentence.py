@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from . import saving
 from .bert import BertModel
 from .loader_arguments import LoaderArgumentError
+from .sentence_api import SentenceTransformerAPI, check_precision, finish_output
 from .tokenization import encode, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ def read_pipeline(directory: Path) -> dict:
         "normalize": False,
         "max_seq_length": None,
         "do_lower_case": False,
+        "include_prompt": True,
+        **_model_settings(directory),
     }
     if (directory / ckpt.ST_MODULES).is_file():
         modules = ckpt.read_st_modules(directory)
@@ -132,7 +135,9 @@ def read_pipeline(directory: Path) -> dict:
         for module in modules:
             if module["type"] == _POOLING:
                 path = directory / module.get("path", POOLING_FOLDER) / "config.json"
-                settings["pooling"] = _pooling_modes(_read_json(path), path)
+                pooling = _read_json(path)
+                settings["pooling"] = _pooling_modes(pooling, path)
+                settings["include_prompt"] = bool(pooling.get("include_prompt", True))
         settings["normalize"] = _NORMALIZE in types
     else:
         log.info(
@@ -146,6 +151,18 @@ def read_pipeline(directory: Path) -> dict:
         settings["max_seq_length"] = config.get("max_seq_length")
         settings["do_lower_case"] = bool(config.get("do_lower_case", False))
     return settings
+
+
+def _model_settings(directory: Path) -> dict:
+    """`prompts`, `default_prompt_name` and `similarity_fn_name` of a folder's
+    `config_sentence_transformers.json` (none, none and cosine without one, as sentence-transformers)."""
+    path = directory / ckpt.ST_MODEL_CONFIG
+    config = _read_json(path) if path.is_file() else {}
+    return {
+        "prompts": dict(config.get("prompts") or {}),
+        "default_prompt_name": config.get("default_prompt_name"),
+        "similarity_fn_name": config.get("similarity_fn_name") or "cosine",
+    }
 
 
 def _transformer_folder(directory: Path, path: object) -> str:
@@ -168,7 +185,7 @@ def _transformer_folder(directory: Path, path: object) -> str:
     return path
 
 
-class SentenceEncoder(nn.Module):
+class SentenceEncoder(SentenceTransformerAPI, nn.Module):
     """A BERT encoder, pooling and optional normalisation: `encode(texts)` returns what
     sentence-transformers' `SentenceTransformer(path).encode(texts)` does (within the fp32
     tolerance in float32).
@@ -184,6 +201,12 @@ class SentenceEncoder(nn.Module):
         normalize: bool = False,
         max_seq_length: int | None = None,
         do_lower_case: bool = False,
+        *,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: str = "cosine",
+        truncate_dim: int | None = None,
+        include_prompt: bool = True,
     ):
         super().__init__()
         if not isinstance(model, BertModel):
@@ -206,6 +229,17 @@ class SentenceEncoder(nn.Module):
             )
         self.max_seq_length = max_seq_length
         self.do_lower_case = do_lower_case
+        # As config_sentence_transformers.json says; `encode` puts a prompt's text before each text.
+        self.prompts = dict(prompts or {})
+        if default_prompt_name is not None and default_prompt_name not in self.prompts:
+            raise ValueError(
+                f"default_prompt_name {default_prompt_name!r} is not one of prompts {sorted(self.prompts)}"
+            )
+        self.default_prompt_name = default_prompt_name
+        self.similarity_fn_name = similarity_fn_name
+        self.truncate_dim = truncate_dim
+        self.include_prompt = include_prompt
+        self._warned_truncation = False  # the truncation warning is given once per encoder
 
     @classmethod
     def from_pretrained(
@@ -235,6 +269,10 @@ class SentenceEncoder(nn.Module):
             normalize=settings["normalize"] if normalize is None else normalize,
             max_seq_length=settings["max_seq_length"] if max_seq_length is None else max_seq_length,
             do_lower_case=settings["do_lower_case"],
+            prompts=settings["prompts"],
+            default_prompt_name=settings["default_prompt_name"],
+            similarity_fn_name=settings["similarity_fn_name"],
+            include_prompt=settings["include_prompt"],
         ).eval()  # as the model: `encode` restores the mode it finds, and an int8 model runs only in eval
 
     @classmethod
@@ -267,27 +305,38 @@ class SentenceEncoder(nn.Module):
     def encode(
         self,
         texts: str | Sequence[str],
+        prompt_name: str | None = None,
+        prompt: str | None = None,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
+        precision: str = "float32",
         convert_to_numpy: bool = True,
         convert_to_tensor: bool = False,
+        device: str | torch.device | None = None,
         normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
     ) -> np.ndarray | Tensor | list[Tensor]:
-        """Embeddings of `texts`, returned as sentence-transformers' `encode` returns them: a
-        (N, D) float32 numpy array by default (bf16 upcast); with `convert_to_tensor` one (N, D)
-        tensor on the model's device; with neither, a list of N (D,) tensors. One bare string
-        gives one (D,) embedding. `show_progress_bar` (None: shown when this module logs at
-        INFO or DEBUG, sentence-transformers' rule) draws a bar over the batches.
+        """Embeddings of `texts`, as `SentenceTransformer.encode` with the same arguments returns
+        them: a (N, D) float32 numpy array by default (bf16 upcast); with `convert_to_tensor` one
+        (N, D) tensor; with neither, a list of N (D,) tensors. One bare string gives one (D,)
+        embedding. `show_progress_bar` (None: shown when this module logs at INFO or DEBUG,
+        sentence-transformers' rule) draws a bar over the batches.
 
-        Texts longer than `max_seq_length` tokens are truncated to it, and a warning says how
-        many were. `normalize_embeddings`, as in sentence-transformers: True scales to unit
-        length on top of the pipeline; False (the default) adds nothing, and the checkpoint's
-        Normalize module still runs (for raw vectors, load with `normalize=False`). Batches are
+        `prompt` (or `prompts[prompt_name]`, or the default prompt) is put before each text.
+        The checkpoint's Normalize module runs, then `truncate_dim` (or `self.truncate_dim`)
+        keeps the first dimensions, then `normalize_embeddings` scales to unit length. `precision`
+        int8/uint8/binary/ubinary quantises as `quantize_embeddings` (the int8 ranges from these
+        embeddings). `device` moves the encoder there first. Texts longer than `max_seq_length`
+        tokens are truncated to it; the first time, a warning says how many were. Batches are
         formed from texts of similar length (fewer pads), and the result is in the order of `texts`."""
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_precision(precision)
+        texts = self._with_prompt(texts, self.resolve_prompt(prompt, prompt_name))
+        if device is not None:
+            self.to(device)
         if show_progress_bar is None:
             show_progress_bar = log.getEffectiveLevel() <= logging.INFO
         was_training = self.training
@@ -297,19 +346,34 @@ class SentenceEncoder(nn.Module):
             embeddings = self._embed_in_order(texts, order, batch_size, show_progress_bar)
         finally:
             self.train(was_training)
-        if self.normalize or normalize_embeddings:
+        if self.normalize:
+            embeddings = F.normalize(embeddings, p=2, dim=1)
+        truncate_dim = self.truncate_dim if truncate_dim is None else truncate_dim
+        if truncate_dim is not None:
+            embeddings = embeddings[:, :truncate_dim]
+        if normalize_embeddings:
             embeddings = F.normalize(embeddings, p=2, dim=1)
         embeddings = embeddings[torch.argsort(torch.tensor(order, device=embeddings.device))]
-        if convert_to_tensor:
-            return embeddings[0] if single else embeddings
-        if convert_to_numpy:
-            array = embeddings.float().cpu().numpy()
-            return array[0] if single else array
-        return embeddings[0] if single else list(embeddings)
+        return finish_output(embeddings, precision, convert_to_numpy, convert_to_tensor, single)
+
+    def _with_prompt(self, texts: list[str], prompt: str | None) -> list[str]:
+        """`texts` with `prompt` before each; a loud error where the pooling must leave the prompt out."""
+        if not prompt:
+            return texts
+        if not self.include_prompt:
+            raise ValueError(
+                "this model's pooling excludes the prompt's tokens (include_prompt: false), which SentenceEncoder "
+                "does not compute; use sentence-transformers for prompts with this model"
+            )
+        return [prompt + text for text in texts]
+
+    def embedding_dimension(self) -> int:
+        """The width of the pooled vector: one hidden size per pooling mode."""
+        return len(self.pooling) * self.model.config.hidden_size
 
     def _embed_in_order(self, texts: list[str], order: list[int], batch_size: int, show_progress_bar: bool) -> Tensor:
         """The pooled (N, D) embeddings of `texts` taken in `order`, `batch_size` at a time;
-        warns once when texts were cut to `max_seq_length` tokens."""
+        warns, once per encoder, when texts were cut to `max_seq_length` tokens."""
         chunks, truncated = [], 0
         starts = range(0, len(texts), batch_size)
         for start in tqdm(starts, desc="Batches", disable=not show_progress_bar, dynamic_ncols=True):
@@ -320,10 +384,11 @@ class SentenceEncoder(nn.Module):
             truncated += sum(bool(e.overflowing) for e in inputs.encodings)
             hidden = self.model(**inputs).last_hidden_state
             chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
-        if truncated:
+        if truncated and not self._warned_truncation:
+            self._warned_truncation = True
             log.warning(
                 "%d of %d texts had more than max_seq_length=%d tokens and were truncated to it: their embeddings "
-                "read only their first %d tokens",
+                "read only their first %d tokens (said once for this encoder)",
                 truncated,
                 len(texts),
                 self.max_seq_length,
@@ -331,7 +396,7 @@ class SentenceEncoder(nn.Module):
             )
         if chunks:
             return torch.cat(chunks)
-        return torch.empty(0, len(self.pooling) * self.model.config.hidden_size, device=self.model.device)
+        return torch.empty(0, self.embedding_dimension(), device=self.model.device)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Write the model (`BertModel.save_pretrained`: HF format, tokenizer files) and the
@@ -342,7 +407,23 @@ class SentenceEncoder(nn.Module):
         them; `saving` writes them all."""
         files, folders = self._pipeline_files()
         carried = saving.carried_sentence_files(self.model, save_directory)
+        model_config = self._model_config_text(carried.files.get(ckpt.ST_MODEL_CONFIG))
+        if model_config is not None:
+            files[ckpt.ST_MODEL_CONFIG] = model_config
         return saving.save_pretrained(self.model, save_directory, sentence=carried.updated(files, folders))
+
+    def _model_config_text(self, carried: Path | None) -> str | None:
+        """`config_sentence_transformers.json` with this encoder's prompts and similarity function
+        over the carried one's other fields; None when both are the defaults and nothing carried sets them."""
+        source = carried or Path(self.model.source_dir or ".") / ckpt.ST_MODEL_CONFIG
+        config = _read_json(source) if source.is_file() else {}
+        settings = {"prompts": self.prompts, "default_prompt_name": self.default_prompt_name}
+        settings["similarity_fn_name"] = self.similarity_fn_name
+        if not (self.prompts or self.default_prompt_name or self.similarity_fn_name != "cosine") and not (
+            set(settings) & set(config)
+        ):
+            return None
+        return json.dumps({**config, **settings}, indent=2) + "\n"
 
     def _pipeline_files(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
         """The texts of `modules.json` and `sentence_bert_config.json`, and of the module

@@ -68,8 +68,9 @@ def test_predict_gives_cross_encoder_scores_raw_and_sigmoid(scorer, tmp_path):
     ce = _cross_encoder(scorer)
     raw = torch.as_tensor(ce.predict(pairs, activation_fn=torch.nn.Identity(), batch_size=5))
     sig = torch.as_tensor(ce.predict(pairs, activation_fn=torch.nn.Sigmoid(), batch_size=5))
-    ours_raw = torch.tensor(_predict(scorer, rows, tmp_path))
-    ours_sig = torch.tensor(_predict(scorer, rows, tmp_path, "--activation", "sigmoid"))
+    # CrossEncoder here reads 64 tokens (the run's length); predict reads its limit unless told.
+    ours_raw = torch.tensor(_predict(scorer, rows, tmp_path, "--max-length", "64"))
+    ours_sig = torch.tensor(_predict(scorer, rows, tmp_path, "--activation", "sigmoid", "--max-length", "64"))
     torch.testing.assert_close(ours_raw, raw, **TOL[torch.float32])
     torch.testing.assert_close(ours_sig, sig, **TOL[torch.float32])
     # The pair counts: scoring the first texts alone gives other numbers.
@@ -108,3 +109,26 @@ def test_activation_is_refused_for_a_classifier(tmp_path, minilm_path, capsys):
     assert predict_main([*argv, "--activation", "sigmoid"]) == 2
     err = capsys.readouterr().err
     assert "--activation sigmoid is for regression" in err and "Traceback" not in err
+
+
+def test_long_pairs_read_to_the_model_limit_as_cross_encoder(scorer, tmp_path, capsys):
+    """Pairs far longer than the run's max_length (64): predict reads up to the tokenizer's and
+    model's limit (512) unless told otherwise, as CrossEncoder(folder).predict does by default;
+    a pair past 512 tokens is cut there (longest first, as transformers), and the summary says so."""
+    from sentence_transformers import CrossEncoder
+
+    mr = load_mr(scores=True)
+    context = " ".join(mr.texts[:10])  # ~250 tokens
+    rows = [{"text": t, "text_pair": context} for t in mr.texts[20:24]]
+    rows.append({"text": mr.texts[30], "text_pair": " ".join(mr.texts[:40])})  # ~1,000 tokens
+    ce = CrossEncoder(str(scorer), device="cpu", local_files_only=True)
+    expected = torch.as_tensor(
+        ce.predict([(r["text"], r["text_pair"]) for r in rows], activation_fn=torch.nn.Identity(), batch_size=2)
+    )
+    capsys.readouterr()
+    ours = torch.tensor(_predict(scorer, rows, tmp_path))
+    torch.testing.assert_close(ours, expected, **TOL[torch.float32])
+    assert "1 row(s) longer than 512 tokens" in capsys.readouterr().out
+    # Told a max_length, predict reads that far: other scores for the long pairs.
+    short = torch.tensor(_predict(scorer, rows, tmp_path, "--max-length", "64"))
+    assert (short - ours).abs().max() > 1e-4

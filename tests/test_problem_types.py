@@ -237,7 +237,8 @@ def test_predict_writes_sigmoid_probabilities_and_thresholded_labels(runs, tmp_p
     texts = builtin_splits("sms")["test"].texts[:6]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    argv = ["--model", str(runs["multi"]), "--input", str(source), "--threshold", threshold]
+    # The run's length, which predict reads only when told (its default is the model's limit).
+    argv = ["--model", str(runs["multi"]), "--input", str(source), "--threshold", threshold, "--max-length", "24"]
     assert predict_cli.main([*argv, "--output", str(tmp_path / "p.jsonl")]) == 0
     assert predict_cli.main([*argv, "--output", str(tmp_path / "p.csv")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-length",
         type=positive_int,
         default=None,
-        help="tokens per text (default: the max_length the model was trained with, else 128)",
+        help="tokens per text or pair (default: the model's and tokenizer's limit, as transformers and "
+        "CrossEncoder read; a note says how many rows were cut)",
     )
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
@@ -152,6 +153,9 @@ def _prepare(args: argparse.Namespace) -> dict:
     dataset = load_texts(args.input, text_column, None, pair_column, keep_records=True)
     config_file = locate_checkpoint(args.model).config_file
     config = BertConfig.from_json_file(config_file)
+    if not config.id2label and _is_sequence_classifier(config):
+        # transformers 5 writes no id2label for its default labels; its pipeline reads them as LABEL_i.
+        config.id2label = {i: f"LABEL_{i}" for i in range(config.num_labels)}
     if not config.id2label:
         raise ConfigError(
             f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
@@ -165,11 +169,15 @@ def _prepare(args: argparse.Namespace) -> dict:
             f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
             "predictions would overwrite; rename them in the input"
         )
-    max_length = args.max_length if args.max_length is not None else _trained_max_length(trained, Path(args.model))
-    check_max_length(max_length, config.max_position_embeddings, pairs=pair_column is not None)
+    if args.max_length is not None:
+        check_max_length(args.max_length, config.max_position_embeddings, pairs=pair_column is not None)
     activation = _activation(args.activation, problem, _cross_encoder_activation(Path(config_file).parent, config))
     model = BertForSequenceClassification.from_pretrained(args.model, quantization=args.quantization)
     tokenizer = load_tokenizer(model.source_dir)
+    # Not the training run's max_length: transformers' pipeline and CrossEncoder read up to this limit.
+    limit = min(tokenizer.truncation["max_length"], config.max_position_embeddings)
+    max_length = args.max_length if args.max_length is not None else limit
+    check_max_length(max_length, config.max_position_embeddings, pairs=pair_column is not None)
     _output_folder(out)
     return dict(
         device=device,
@@ -182,6 +190,11 @@ def _prepare(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+def _is_sequence_classifier(config) -> bool:
+    """Whether config.json's `architectures` names a sequence classifier (saved by transformers)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.extra.get("architectures") or ())
 
 
 def _checked_output(args: argparse.Namespace) -> Path:
@@ -226,8 +239,22 @@ def _run(args: argparse.Namespace, job: dict) -> int:
         _write_predictions(out, dataset.records, rows)
     except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
         return _write_failed(exc, out)
-    print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)})")
+    cut = _count_truncated(job["tokenizer"], dataset, job["max_length"])
+    note = f"; {cut} row(s) longer than {job['max_length']} tokens, read up to the cut" if cut else ""
+    print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)}{note})")
     return 0
+
+
+def _count_truncated(tokenizer, dataset, max_length: int, chunk: int = 512) -> int:
+    """How many texts (or pairs) of `dataset` have more than `max_length` tokens."""
+    from bert_port.tokenization import encode
+
+    cut = 0
+    for start in range(0, len(dataset.texts), chunk):
+        pairs = dataset.pairs[start : start + chunk] if dataset.pairs is not None else None
+        batch = encode(tokenizer, dataset.texts[start : start + chunk], pairs, max_length=max_length)
+        cut += sum(bool(e.overflowing) for e in batch.encodings)
+    return cut
 
 
 def _tagger(args: argparse.Namespace) -> bool:
@@ -355,20 +382,6 @@ def _trained_settings(model_dir: Path) -> dict:
                 f"{path} holds {key} {settings[key]!r}, not a column name; pass --{key.replace('_', '-')}"
             )
     return settings
-
-
-def _trained_max_length(settings: dict, model_dir: Path) -> int:
-    """The max_length the model was fine-tuned with, else 128."""
-    from bert_port.training import RESOLVED_CONFIG, FinetuneError
-
-    if not settings:
-        return 128
-    value = settings.get("max_length")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise FinetuneError(
-            f"{model_dir / RESOLVED_CONFIG} holds max_length {value!r}, not a positive integer; pass --max-length"
-        )
-    return value
 
 
 def _cross_encoder_activation(model_dir: Path, config) -> str | None:
