@@ -31,6 +31,7 @@ from . import saving
 from .bert import BertModel
 from .loader_arguments import LoaderArgumentError
 from .sentence_api import SentenceTransformerAPI, check_precision, finish_output
+from .threads import governed
 from .tokenization import encode, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
         self.truncate_dim = truncate_dim
         self.include_prompt = include_prompt
         self._warned_truncation = False  # the truncation warning is given once per encoder
+        self.threads: int | str | None = "auto"  # CPU threads while encoding (`threads.governed`)
 
     @classmethod
     def from_pretrained(
@@ -375,15 +377,17 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
         """The pooled (N, D) embeddings of `texts` taken in `order`, `batch_size` at a time;
         warns, once per encoder, when texts were cut to `max_seq_length` tokens."""
         chunks, truncated = [], 0
-        starts = range(0, len(texts), batch_size)
-        for start in tqdm(starts, desc="Batches", disable=not show_progress_bar, dynamic_ncols=True):
-            batch = [texts[i] for i in order[start : start + batch_size]]
-            if self.do_lower_case:
-                batch = [t.lower() for t in batch]
-            inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
-            truncated += sum(bool(e.overflowing) for e in inputs.encodings)
-            hidden = self.model(**inputs).last_hidden_state
-            chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
+        starts = tqdm(
+            range(0, len(texts), batch_size), desc="Batches", disable=not show_progress_bar, dynamic_ncols=True
+        )
+        with governed(self.model, self.threads if self.model.device.type == "cpu" else None):
+            for start in starts:
+                batch = [texts[i] for i in order[start : start + batch_size]]
+                batch = [t.lower() for t in batch] if self.do_lower_case else batch
+                inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
+                truncated += sum(bool(e.overflowing) for e in inputs.encodings)
+                hidden = self.model(**inputs).last_hidden_state
+                chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
         if truncated and not self._warned_truncation:
             self._warned_truncation = True
             log.warning(

@@ -11,15 +11,18 @@ they used more than `TAKEN` of it over the last interval.
 
 The thread count changes between batches, never inside one. On the AMX Xeon of the README
 MiniLM's outputs have the same bits at 1 and 2 threads; that is not known for every CPU (a
-GEMM may split its reduction at one count and not at the other), so `auto` is opt-in: leave
-it off where runs must repeat bit for bit under any load.
+GEMM may split its reduction at one count and not at the other), so a test checks it on each
+CPU the suite runs on (tests/test_threads.py): `auto` is the default of the commands and of
+`SentenceEncoder`; pass a number where runs must repeat bit for bit on a CPU that test fails on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -113,3 +116,24 @@ class ThreadGovernor:
 
     def __exit__(self, *exc) -> None:
         torch.set_num_threads(self.saved)
+
+
+@contextlib.contextmanager
+def governed(model: torch.nn.Module, threads: int | str | None) -> Iterator[None]:
+    """For the duration: `threads` intra-op threads (a number); or "auto", a `ThreadGovernor`
+    stepped before each forward of `model` (a pre-hook: one step a batch); None leaves torch's
+    count. The thread count is put back afterwards."""
+    if threads is None:
+        yield
+        return
+    with ThreadGovernor() as governor:
+        if threads == "auto":  # (a pre-hook that returned the count would replace the forward's arguments)
+            handle = model.register_forward_pre_hook(lambda *_: governor.step() and None)
+        else:
+            torch.set_num_threads(threads)
+            handle = None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()

@@ -118,3 +118,56 @@ def test_threads_flag_rejects_a_bad_value(capsys):
     with pytest.raises(SystemExit):
         main(["in.txt", "out", "--threads", "0"])
     assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_thread_count_does_not_change_the_bits(minilm_path, dtype):
+    """What makes `auto` the default: MiniLM's outputs on real text are the same bits at 1 and
+    2 threads (every GEMM of the fast path, the attention kernel and the row-wise ops). A CPU
+    whose kernels split a reduction by thread count fails here: fix a thread count there."""
+    from bert_port import BertModel, encode, load_tokenizer
+    from bert_port.bench.harness import mr_texts
+
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no native bf16 here: F.linear emulates it")
+    model = BertModel.from_pretrained(minilm_path, dtype=dtype)
+    batch = encode(load_tokenizer(minilm_path), mr_texts()[:48], max_length=128)
+    before, outputs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                outputs.append(model(**batch).last_hidden_state)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_governed_steps_before_each_forward_and_puts_the_count_back(minilm_path, neighbour):
+    from bert_port import SentenceEncoder
+
+    encoder = SentenceEncoder.from_pretrained(minilm_path)
+    assert encoder.threads == "auto"  # the default
+    before, seen = torch.get_num_threads(), []
+    # Each batch waits out the governor's interval first (this pre-hook runs before the governor's),
+    # so that every step reads the load again; the forward hook records the count the batch ran at.
+    encoder.model.register_forward_pre_hook(lambda *_: time.sleep(threads.INTERVAL_S * 1.2))
+    encoder.model.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+    neighbour.set(1.0)  # a neighbour holds one of our two cores
+    encoder.encode(["one text", "another text", "a third"], batch_size=1)
+    assert seen[-1] == 1, seen  # the governor stepped down before the later forwards
+    assert torch.get_num_threads() == before  # and put torch's count back
+    encoder.threads = 1
+    seen.clear()
+    encoder.encode(["one text"])
+    assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_predict_takes_threads(capsys):
+    from bert_port.cli.predict import build_parser
+
+    assert build_parser().parse_args(["m", "in.csv", "--output", "o.csv"]).threads == "auto"
+    assert build_parser().parse_args(["m", "in.csv", "--output", "o.csv", "--threads", "1"]).threads == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["m", "in.csv", "--threads", "0"])
+    assert "--threads" in capsys.readouterr().err

@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=thread_count,
-        default=None,
-        help="CPU threads: a number, or 'auto' to follow the cores other processes leave free "
-        "(bert_port.threads); default torch's choice",
+        default="auto",
+        help="CPU threads: a number, or 'auto' (default) to follow the cores other processes leave free "
+        "(bert_port.threads)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace another run's embeddings in OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

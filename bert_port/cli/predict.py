@@ -36,7 +36,8 @@ import logging
 import sys
 from pathlib import Path
 
-from bert_port.cli import disk_full, disk_full_line, positive_int
+from bert_port.cli import disk_full, disk_full_line, positive_int, thread_count
+from bert_port.threads import governed
 
 ACTIVATIONS = ("auto", "none", "sigmoid")
 # The activations of sentence-transformers' CrossEncoder configs that this command applies.
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="column holding the second segment (default: the training run's, if it had one)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
+    parser.add_argument(
+        "--threads",
+        type=thread_count,
+        default="auto",
+        help="CPU threads: a number, or 'auto' (default) to follow the cores other processes leave free, "
+        "set before each batch (bert_port.threads)",
+    )
     parser.add_argument(
         "--max-length",
         type=positive_int,
@@ -231,7 +239,8 @@ def _run(args: argparse.Namespace, job: dict) -> int:
         return _run_tagging(args, job)
     model, dataset, problem, names, out = job["model"], job["dataset"], job["problem"], job["names"], job["out"]
     model.to(job["device"])
-    scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
+    with governed(model, args.threads if job["device"].type == "cpu" else None):
+        scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
     if job["activation"] == "sigmoid":
         scores = scores.sigmoid()
     rows = [problem.prediction(names, row, args.threshold) for row in scores.tolist()]
@@ -328,9 +337,10 @@ def _run_tagging(args: argparse.Namespace, job: dict) -> int:
     from bert_port.training import predict_tokens
 
     model, tokenizer, out = job["model"].to(job["device"]), job["tokenizer"], job["out"]
-    scored = predict_tokens(
-        model, tokenizer, job["inputs"], args.batch_size, job["max_length"], job["device"], args.bf16
-    )
+    with governed(model, args.threads if job["device"].type == "cpu" else None):
+        scored = predict_tokens(
+            model, tokenizer, job["inputs"], args.batch_size, job["max_length"], job["device"], args.bf16
+        )
     strategy, decode = args.aggregation_strategy or "first", decoder_of(tokenizer)
     rows = [
         ({} if isinstance(x, str) or "text" in record else {"text": s.text})
