@@ -166,8 +166,9 @@ def test_governed_steps_before_each_forward_and_puts_the_count_back(minilm_path,
 def test_predict_takes_threads(capsys):
     from bert_port.cli.predict import build_parser
 
-    assert build_parser().parse_args(["m", "in.csv", "--output", "o.csv"]).threads == "auto"
-    assert build_parser().parse_args(["m", "in.csv", "--output", "o.csv", "--threads", "1"]).threads == 1
+    args = ["--model", "m", "--input", "in.csv", "--output", "o.csv"]
+    assert build_parser().parse_args(args).threads == "auto"
+    assert build_parser().parse_args([*args, "--threads", "1"]).threads == 1
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["m", "in.csv", "--threads", "0"])
+        build_parser().parse_args([*args, "--threads", "0"])
     assert "--threads" in capsys.readouterr().err
