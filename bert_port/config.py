@@ -93,6 +93,29 @@ def _check_runtime_option(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
+# The model types whose arithmetic this port computes exactly; any other is refused (`_check_model_type`).
+SUPPORTED_MODEL_TYPES = ("bert", MEGATRON_MODEL_TYPE)
+# Why some near-BERT model types are refused: each one computes something the BERT body does not.
+UNSUPPORTED_REASONS: dict[str, str] = {
+    "roberta": "its position ids start after the padding index",
+    "xlm-roberta": "its position ids start after the padding index",
+    "distilbert": "it has no token types, its own key names and a fixed LayerNorm epsilon",
+    "electra": "it projects embeddings of embedding_size to hidden_size",
+}
+
+
+def _refuse_model_type(model_type: Any) -> None:
+    """A `model_type` the port does not compute is refused in one line, never loaded as BERT:
+    a RoBERTa read as BERT loads every tensor and computes wrong outputs."""
+    if model_type is None or model_type in SUPPORTED_MODEL_TYPES:
+        return
+    reason = UNSUPPORTED_REASONS.get(model_type, "it is not a BERT this port knows")
+    raise ConfigError(
+        f"config.json gives model_type {model_type!r}, which this port cannot compute exactly ({reason}); "
+        f"it computes {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: load this checkpoint with transformers instead"
+    )
+
+
 def _check_model_type(data: dict[str, Any]) -> None:
     """A config.json whose `pre_norm` contradicts its `model_type` describes no model that
     both the port and transformers build the same way: refuse it, saying which to fix."""
@@ -293,6 +316,7 @@ class BertConfig:
         kept as data."""
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
+        _refuse_model_type(data.get("model_type"))
         if "pre_norm" not in overrides:  # an override sets the architecture, and model_type follows it
             _check_model_type(data)
         data = {**data, **overrides}
