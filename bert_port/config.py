@@ -15,6 +15,8 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .families import FAMILIES, Family, family_of
+
 # Activations a config may name in `hidden_act`; the functions live in `utils.ACT2FN`.
 # Kept here as names only so that validating a config needs no torch import.
 SUPPORTED_ACTIVATIONS = (
@@ -93,27 +95,24 @@ def _check_runtime_option(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
-# The model types whose arithmetic this port computes exactly; any other is refused (`_check_model_type`).
-SUPPORTED_MODEL_TYPES = ("bert", MEGATRON_MODEL_TYPE)
-# Why some near-BERT model types are refused: each one computes something the BERT body does not.
-UNSUPPORTED_REASONS: dict[str, str] = {
-    "roberta": "its position ids start after the padding index",
-    "xlm-roberta": "its position ids start after the padding index",
-    "distilbert": "it has no token types, its own key names and a fixed LayerNorm epsilon",
-    "electra": "it projects embeddings of embedding_size to hidden_size",
-}
-
-
 def _refuse_model_type(model_type: Any) -> None:
-    """A `model_type` the port does not compute is refused in one line, never loaded as BERT:
-    a RoBERTa read as BERT loads every tensor and computes wrong outputs."""
-    if model_type is None or model_type in SUPPORTED_MODEL_TYPES:
+    """A `model_type` outside the BERT family (`families.FAMILIES`) is refused in one line, never
+    loaded as BERT: a model read with another's arithmetic loads every tensor and computes wrong
+    outputs (RoBERTa read as BERT did, before its positions were computed)."""
+    if model_type is None or (isinstance(model_type, str) and model_type in FAMILIES):
         return
-    reason = UNSUPPORTED_REASONS.get(model_type, "it is not a BERT this port knows")
     raise ConfigError(
-        f"config.json gives model_type {model_type!r}, which this port cannot compute exactly ({reason}); "
-        f"it computes {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: load this checkpoint with transformers instead"
+        f"config.json gives model_type {model_type!r}, which this port cannot compute exactly (it is not a BERT "
+        f"this port knows); it computes {', '.join(map(repr, FAMILIES))}: load this checkpoint with transformers"
     )
+
+
+def _family_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """A family's config.json in BertConfig's names: DistilBERT's `dim` read as `hidden_size`,
+    transformers' defaults where the family's differ from BERT's, the values its code fixes."""
+    family = family_of(data.get("model_type"))
+    renamed = {family.config_names.get(k, k): v for k, v in data.items()}
+    return {**family.defaults, **renamed, **family.fixed}
 
 
 def _check_model_type(data: dict[str, Any]) -> None:
@@ -184,6 +183,9 @@ class BertConfig:
     # transformers' own (XmodConfig.pre_norm). It changes the architecture and the checkpoint's
     # key names, so it is a config.json field, written as model_type "megatron-bert".
     pre_norm: bool = False
+    # ELECTRA: the width of the embeddings, projected to hidden_size by a linear layer when they
+    # differ (transformers' `embeddings_project`); None: hidden_size, no projection.
+    embedding_size: int | None = None
     # Sequence classification (HF keeps these on every PreTrainedConfig).
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
@@ -229,6 +231,8 @@ class BertConfig:
         problems = []
         for name, limit in SHAPE_LIMITS.items():
             value = getattr(self, name)
+            if name == "type_vocab_size" and value == 0 and not isinstance(value, bool):
+                continue  # no token types (DistilBERT): the model has no token-type embedding
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
             elif value > limit:
@@ -236,6 +240,9 @@ class BertConfig:
                     f"{name} is {value}, above the {limit} this port accepts: no real BERT is that large, so "
                     "config.json is damaged or belongs to another model; restore it from the original"
                 )
+        size = self.embedding_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= 2**16):
+            problems.append(f"embedding_size must be a positive integer up to {2**16} or null, got {size!r}")
         if not problems and self.hidden_size % self.num_attention_heads != 0:
             problems.append(
                 f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
@@ -285,6 +292,8 @@ class BertConfig:
                 f"position_embedding_type {self.position_embedding_type!r} is not supported "
                 "(transformers 5 BERT supports only 'absolute')"
             )
+        if self.pre_norm is True and self.family.model_type != MEGATRON_MODEL_TYPE:
+            problems.append(f"pre_norm=true is Megatron-BERT's; a {self.family.model_type} model has none: remove it")
         if self.add_cross_attention is True:
             problems.append(
                 "add_cross_attention=True is not supported: this port implements the BERT encoder and "
@@ -293,6 +302,20 @@ class BertConfig:
         return problems
 
     # -- derived ----------------------------------------------------------------------
+
+    @property
+    def family(self) -> Family:
+        """The model type this config describes (`families.FAMILIES`): Megatron-BERT when pre-LN,
+        else the `model_type` read (BERT when none, or when an override made a Megatron one post-LN)."""
+        read = self.extra.get("model_type")
+        if self.pre_norm is True:
+            return FAMILIES[MEGATRON_MODEL_TYPE]
+        return family_of(None if read == MEGATRON_MODEL_TYPE else read)
+
+    @property
+    def embedding_width(self) -> int:
+        """The width of the embeddings: `embedding_size` (ELECTRA), else `hidden_size`."""
+        return self.embedding_size or self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -317,6 +340,7 @@ class BertConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
         _refuse_model_type(data.get("model_type"))
+        data = _family_fields(data)
         if "pre_norm" not in overrides:  # an override sets the architecture, and model_type follows it
             _check_model_type(data)
         data = {**data, **overrides}
@@ -363,6 +387,8 @@ class BertConfig:
             # The default (tied), which most config.json files leave out: written when read or untied.
             if f.name == "tie_word_embeddings" and value is True and f.name not in read:
                 continue
+            if f.name == "embedding_size" and value is None:
+                continue  # ELECTRA's field: written only when it has one
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}
             out[f.name] = value
@@ -371,7 +397,21 @@ class BertConfig:
         if not self.pre_norm and "pre_norm" not in read:
             del out["pre_norm"]  # written when true, or when read: a BERT's config.json stays as it was
         out["model_type"] = _model_type(self.pre_norm, out.get("model_type"))
-        return out
+        return self._in_family_names(out, read)
+
+    def _in_family_names(self, out: dict[str, Any], read: set[str]) -> dict[str, Any]:
+        """`out` (BertConfig's names) as the family's config.json spells it: DistilBERT's `dim`, no
+        field its code fixes, and no BERT field it did not read that is at BERT's default."""
+        family = self.family
+        if family.model_type in ("bert", MEGATRON_MODEL_TYPE):
+            return out
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        names = {v: k for k, v in family.config_names.items()}
+        return {
+            names.get(k, k): v
+            for k, v in out.items()
+            if k not in family.fixed and (k in read or k not in defaults or v != defaults[k])
+        }
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike, **overrides: Any) -> BertConfig:
