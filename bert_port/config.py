@@ -313,6 +313,13 @@ class BertConfig:
         return family_of(None if read == MEGATRON_MODEL_TYPE else read)
 
     @property
+    def max_sequence_length(self) -> int:
+        """The longest input the position table covers: max_position_embeddings, less RoBERTa's
+        pad_token_id + 1 positions that no token takes (its positions start after the padding index)."""
+        offset = self.pad_token_id + 1 if self.family.positions_after_padding else 0
+        return self.max_position_embeddings - offset
+
+    @property
     def embedding_width(self) -> int:
         """The width of the embeddings: `embedding_size` (ELECTRA), else `hidden_size`."""
         return self.embedding_size or self.hidden_size

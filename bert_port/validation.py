@@ -32,9 +32,8 @@ def check_inputs(
     B, T = _input_shape(config, input_ids, inputs_embeds)
     if input_ids is not None:
         _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
-    # RoBERTa's positions start after the padding index: pad_token_id + 1 fewer tokens fit.
-    offset = config.pad_token_id + 1 if config.family.positions_after_padding else 0
-    longest = config.max_position_embeddings - offset
+    longest = config.max_sequence_length  # RoBERTa: pad_token_id + 1 fewer than max_position_embeddings
+    offset = config.max_position_embeddings - longest
     if position_ids is None and past_length + T > longest:
         cached = f" after {past_length} cached positions" if past_length else ""
         raise ValueError(
@@ -49,8 +48,8 @@ def check_inputs(
     if token_type_ids is not None:
         if tuple(token_type_ids.shape) != (B, T):
             raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {(B, T)}")
-        # No token types (DistilBERT): the zeros a tokenizer gives are accepted, and not used.
-        _check_range("token_type_ids", token_type_ids, max(config.type_vocab_size, 1), "type_vocab_size")
+        if config.type_vocab_size:  # none (DistilBERT): a tokenizer's segment ids are not used, as it has none
+            _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
     if attention_mask is not None:
         _check_mask(attention_mask, B, T, past_length)
 

@@ -3,25 +3,62 @@ transformers from random weights, against transformers' own classes."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import EXACT, TOL, assert_bitwise, outputs_on_real_tokens
+from conftest import EXACT, REAL_SENTENCES, TOL, assert_bitwise, outputs_on_real_tokens
 
 from bert_port import BertModel
+from bert_port.assets import minilm_dir
 from bert_port.config import ConfigError
 
-# Tiny configs of each family, in the family's own config.json names.
-SHAPES = dict(vocab_size=99, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+# Tiny configs of each family, in the family's own config.json names. RoBERTa and XLM-R get
+# tokenizers trained here (byte-level BPE, SentencePiece unigram); DistilBERT and ELECTRA the
+# bundled all-MiniLM-L6-v2 WordPiece tokenizer, hence its vocabulary.
+SHAPES = dict(vocab_size=300, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+WORDPIECE = 30522
 FAMILIES = {
     "roberta": ("RobertaConfig", "RobertaModel", dict(SHAPES, hidden_size=32, max_position_embeddings=66)),
     "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel", dict(SHAPES, hidden_size=32, max_position_embeddings=66)),
     "distilbert": (
         "DistilBertConfig",
         "DistilBertModel",
-        dict(vocab_size=99, n_layers=2, n_heads=4, dim=32, hidden_dim=37, max_position_embeddings=64),
+        dict(vocab_size=WORDPIECE, n_layers=2, n_heads=4, dim=32, hidden_dim=37, max_position_embeddings=64),
     ),
-    "electra": ("ElectraConfig", "ElectraModel", dict(SHAPES, hidden_size=64, embedding_size=32)),
+    "electra": ("ElectraConfig", "ElectraModel", dict(SHAPES, vocab_size=WORDPIECE, hidden_size=64, embedding_size=32)),
 }
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4: pad 1, as RoBERTa's
+ROBERTA_TOKENIZER_CONFIG = dict(
+    bos_token="<s>", eos_token="</s>", cls_token="<s>", sep_token="</s>", pad_token="<pad>", unk_token="<unk>"
+)
+
+
+def write_tokenizer(model_type: str, path) -> None:
+    """The tokenizer files of the family's kind in `path`: tokenizer.json (built with `tokenizers`,
+    no download) and tokenizer_config.json, as transformers and sentence-transformers read them."""
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceUnigramTokenizer, processors
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if model_type in ("distilbert", "electra"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(minilm_dir() / name, path / name)
+        return
+    if model_type == "roberta":
+        tok, cls = ByteLevelBPETokenizer(), "RobertaTokenizer"
+        tok.train_from_iterator(REAL_SENTENCES, vocab_size=300, special_tokens=ROBERTA_SPECIALS, show_progress=False)
+    else:
+        tok, cls = SentencePieceUnigramTokenizer(), "XLMRobertaTokenizer"
+        tok.train_from_iterator(
+            REAL_SENTENCES, vocab_size=120, special_tokens=ROBERTA_SPECIALS, unk_token="<unk>", show_progress=False
+        )
+    tok._tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(path / "tokenizer.json"))
+    settings = dict(ROBERTA_TOKENIZER_CONFIG, tokenizer_class=cls, model_max_length=64, mask_token="<mask>")
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
 
 
 def save_random(model_type: str, path, cls_name: str | None = None, **fields):
@@ -33,6 +70,7 @@ def save_random(model_type: str, path, cls_name: str | None = None, **fields):
     config = getattr(transformers, config_cls)(**{**shape, **fields})
     model = getattr(transformers, cls_name or model_cls)(config).eval()
     model.save_pretrained(str(path))
+    write_tokenizer(model_type, path)
     return model
 
 
@@ -77,3 +115,79 @@ def test_family_loads_strictly_and_matches_transformers(tmp_path, model_type):
         assert_bitwise([out.pooler_output], [ref.pooler_output])
     else:
         assert out.pooler_output is None
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["roberta", *(pytest.param(t, marks=pytest.mark.slow) for t in ("xlm-roberta", "distilbert", "electra"))],
+)
+def test_parity_cli_passes_against_the_family_class(tmp_path, capsys, model_type):
+    """`bert-port-parity` compares with the family's own transformers class, read by transformers."""
+    from bert_port.cli import parity as parity_cli
+
+    hf = save_random(model_type, tmp_path)
+    argv = ["--checkpoint", str(tmp_path), "--no-progress", "--dtype", "float32", "--device", "cpu"]
+    assert parity_cli.main(argv) == 0
+    report = capsys.readouterr().out
+    assert f"transformers.{type(hf).__name__}.from_pretrained read" in report and "PASS: 1 of 1" in report
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_saved_folder_loads_in_transformers_with_its_own_class(tmp_path, model_type):
+    """Saving back writes the family's config.json names and key names: transformers' own class
+    loads the folder with nothing missing or unexpected, and computes what it computed before."""
+    import transformers
+
+    hf = save_random(model_type, tmp_path / "in")
+    port = BertModel.from_pretrained(tmp_path / "in")
+    port.save_pretrained(tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    read = json.loads((tmp_path / "in" / "config.json").read_text())
+    assert written["model_type"] == model_type and written["architectures"] == [type(hf).__name__]
+    assert {k: v for k, v in written.items() if k in read and k != "transformers_version"} == {
+        k: v for k, v in read.items() if k in written and k != "transformers_version"
+    }
+    cls = getattr(transformers, type(hf).__name__)
+    again, info = cls.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert type(again.config) is type(hf.config)
+    for key, tensor in hf.state_dict().items():
+        assert torch.equal(again.state_dict()[key], tensor), key
+
+
+def test_distilbert_config_reads_and_writes_its_own_names():
+    from bert_port import BertConfig
+
+    config = BertConfig.from_dict(dict(FAMILIES["distilbert"][2], model_type="distilbert", sinusoidal_pos_embds=True))
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (32, 2, 37)
+    assert config.type_vocab_size == 0 and config.layer_norm_eps == 1e-12
+    written = config.to_dict()
+    assert written["dim"] == 32 and written["sinusoidal_pos_embds"] is True
+    assert not {"hidden_size", "type_vocab_size", "layer_norm_eps", "position_embedding_type"} & set(written)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert", "electra"])
+def test_token_classification_loads_the_family_head(tmp_path, model_type):
+    """Task heads that compute the same as BERT's (token classification) load from the family's
+    task checkpoint (`roberta.` prefix) strictly and match transformers' logits."""
+    from bert_port.heads import BertForTokenClassification
+
+    cls = FAMILIES[model_type][1].replace("Model", "ForTokenClassification")
+    hf = save_random(model_type, tmp_path, cls_name=cls, num_labels=3)
+    batch = _batch(hf.config.vocab_size, hf.config.pad_token_id)
+    port = BertForTokenClassification.from_pretrained(tmp_path, **EXACT)
+    assert port.loading_info["newly_initialized"] == [] and port.hf_architecture == cls
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert_bitwise([port(**batch)["logits"]], [hf(**batch).logits])
+
+
+def test_a_head_that_differs_is_refused(tmp_path):
+    """RoBERTa's sequence classifier is not BERT's (dense + tanh + out_proj on <s>, no pooler):
+    BertForSequenceClassification refuses the checkpoint in one line rather than load it wrong."""
+    from bert_port.classifier import BertForSequenceClassification
+
+    save_random("roberta", tmp_path, cls_name="RobertaForSequenceClassification")
+    with pytest.raises(ValueError, match="no roberta counterpart in transformers") as err:
+        BertForSequenceClassification.from_pretrained(tmp_path)
+    assert "\n" not in str(err.value)
