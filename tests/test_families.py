@@ -229,3 +229,17 @@ def test_sentence_encoder_equals_sentence_transformers(tmp_path, model_type):
     torch.testing.assert_close(encoder.encode(texts, convert_to_tensor=True), expected, **TOL[torch.float32])
     exact = SentenceEncoder.from_pretrained(folder, **EXACT)
     torch.testing.assert_close(exact.encode(texts, convert_to_tensor=True), expected, **TOL[torch.float32])
+
+
+def test_family_checkpoint_found_in_the_hf_cache(tmp_path, monkeypatch):
+    """A DistilBERT checkpoint laid out in the local HF cache loads by model id, as BERT's do."""
+    from test_checkpoint_locate import _add_to_cache
+
+    hf = save_random("distilbert", tmp_path / "saved")
+    files = {p.name: p for p in (tmp_path / "saved").iterdir() if p.is_file()}
+    _add_to_cache(tmp_path / "hub", "distilbert/tiny-random", files, "d" * 40)
+    port = BertModel.from_pretrained("distilbert/tiny-random", cache_dir=tmp_path / "hub", **EXACT)
+    batch = _batch(hf.config.vocab_size, hf.config.pad_token_id)
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert_bitwise([port(**batch).last_hidden_state], [hf(**batch).last_hidden_state])
