@@ -13,9 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import MEGATRON_MODEL_TYPE, BertConfig
+from .config import FAMILIES, MEGATRON_MODEL_TYPE, BertConfig, family_of
 from .extras import require
-from .families import FAMILIES, family_of
 
 
 def _transformers():

@@ -200,7 +200,7 @@ def _sentence_folder(model_type: str, path) -> Path:
 
     save_random(model_type, path / "hf")
     transformer = models.Transformer(str(path / "hf"), max_seq_length=48)
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="mean")
+    pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
     SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu").save(str(path / "st"))
     # The module names of the hub's folders (all-distilroberta-v1, multilingual-e5): sentence-transformers 6
     # writes its new module paths, which it reads too but SentenceEncoder does not yet (issue 41's).
