@@ -326,7 +326,9 @@ class BertModel(BertPreTrainedModel):
             embeddings = embeddings + self.tk_type_embedding(token_type_ids)
         embeddings = embeddings + self.pos_embedding(position_ids)
         embeddings = self.embed_dropout(_norm(self.embed_layer_norm, embeddings))
-        return embeddings if self.embed_project is None else self.embed_project(embeddings)
+        if self.embed_project is None:
+            return embeddings
+        return linear_rows(self.embed_project, embeddings, batch_invariant(self.config))  # a row's bits alone
 
     def encode(
         self,

@@ -243,3 +243,18 @@ def test_family_checkpoint_found_in_the_hf_cache(tmp_path, monkeypatch):
     hf.set_attn_implementation("eager")
     with torch.no_grad():
         assert_bitwise([port(**batch).last_hidden_state], [hf(**batch).last_hidden_state])
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "electra"])
+def test_batch_invariance_holds_on_the_family(tmp_path, model_type):
+    """On the default path a text gets the same bits alone and in a padded batch: RoBERTa's
+    positions and ELECTRA's projection depend on the row alone."""
+    hf = save_random(model_type, tmp_path)
+    batch = _batch(hf.config.vocab_size, hf.config.pad_token_id)
+    port = BertModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        together = port(**batch).last_hidden_state
+        for i in range(3):
+            n = int(batch["attention_mask"][i].sum())
+            alone = port(**{k: v[i : i + 1, :n] for k, v in batch.items()}).last_hidden_state
+            assert_bitwise([alone[0]], [together[i, :n]])
