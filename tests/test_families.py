@@ -258,3 +258,18 @@ def test_batch_invariance_holds_on_the_family(tmp_path, model_type):
             n = int(batch["attention_mask"][i].sum())
             alone = port(**{k: v[i : i + 1, :n] for k, v in batch.items()}).last_hidden_state
             assert_bitwise([alone[0]], [together[i, :n]])
+
+
+def test_roberta_positions_from_embeddings_and_the_longest_input(tmp_path):
+    """From `inputs_embeds` RoBERTa's positions run padding_idx + 1 .. as transformers'; an input
+    longer than max_position_embeddings less padding_idx + 1 is refused, saying to what to truncate."""
+    hf = save_random("roberta", tmp_path)
+    port = BertModel.from_pretrained(tmp_path, **EXACT)
+    hf.set_attn_implementation("eager")
+    embeds = hf.embeddings.word_embeddings(_batch(hf.config.vocab_size, 1)["input_ids"]).detach()
+    with torch.no_grad():
+        assert_bitwise([port(inputs_embeds=embeds).last_hidden_state], [hf(inputs_embeds=embeds).last_hidden_state])
+    assert port.config.max_sequence_length == 64
+    port(input_ids=torch.full((1, 64), 5))
+    with pytest.raises(ValueError, match="truncation to 64"):
+        port(input_ids=torch.full((1, 65), 5))
