@@ -273,3 +273,20 @@ def test_roberta_positions_from_embeddings_and_the_longest_input(tmp_path):
     port(input_ids=torch.full((1, 64), 5))
     with pytest.raises(ValueError, match="truncation to 64"):
         port(input_ids=torch.full((1, 65), 5))
+
+
+def test_distilbert_key_table_round_trips_a_task_checkpoint():
+    """The DistilBERT table, both directions: a task model's keys (`distilbert.` prefix) to port
+    names and back, every key accounted for, the head's name kept."""
+    from bert_port.checkpoint import KEY_TABLES, hf_to_port, port_to_hf
+
+    table = KEY_TABLES["distilbert"]
+    names = [k.format(1) for k in table] + ["classifier.weight", "classifier.bias"]
+    state = {"distilbert." + k if not k.startswith("classifier.") else k: torch.zeros(1) for k in names}
+    conversion = hf_to_port(state, table="distilbert")
+    assert not conversion.unmapped and "bert_layers.1.self_attention.query.weight" in conversion.state_dict
+    assert set(port_to_hf(conversion.state_dict, encoder_prefix="distilbert.", table="distilbert")) == set(state)
+    assert conversion.layout.spell("classifier.weight") == "classifier.weight"
+    assert (
+        conversion.layout.spell("bert_layers.0.interm_dense.weight") == "distilbert.transformer.layer.0.ffn.lin1.weight"
+    )
