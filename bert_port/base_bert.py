@@ -43,6 +43,12 @@ class BertPreTrainedModel(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
+        family, name = config.family, type(self).__name__
+        if not family.supports(name):
+            raise ValueError(
+                f"{name} has no {family.model_type} counterpart in transformers that computes the same "
+                f"(its head differs); with a {family.model_type} checkpoint use BertModel or {' or '.join(family.tasks)}"
+            )
         self.config = config
         self.source_dir: Path | None = None  # checkpoint directory, for its tokenizer files
         self.loading_info: dict[str, object] = {}  # set by load_hf_state_dict
@@ -102,7 +108,9 @@ class BertPreTrainedModel(nn.Module):
         same name, or for a pre-LN config (`config.pre_norm`) its Megatron-BERT counterpart. A
         class swapped in by `bert_port.speed` names the plain class it stands for (`plain_class`)."""
         name = getattr(type(self), "plain_class", type(self)).__name__
-        return MEGATRON_ARCHITECTURES.get(name, "Megatron" + name) if self.config.pre_norm else name
+        if self.config.pre_norm:
+            return MEGATRON_ARCHITECTURES.get(name, "Megatron" + name)
+        return self.config.family.architecture(name)  # RobertaForTokenClassification for a RoBERTa
 
     # -- transformers' fine-tuning conveniences ---------------------------------------
 

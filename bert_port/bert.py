@@ -27,7 +27,7 @@ from .base_bert import BertPreTrainedModel
 from .cache import KVCache, LayerCache
 from .config import BertConfig
 from .outputs import ModelOutput
-from .utils import get_activation, get_extended_attention_mask
+from .utils import get_activation, get_extended_attention_mask, roberta_position_ids
 from .validation import check_inputs
 
 
@@ -197,19 +197,28 @@ class BertModel(BertPreTrainedModel):
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__(config)
-        self.add_pooling_layer = add_pooling_layer
-        # Embeddings.
-        self.word_embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.pos_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.tk_type_embedding = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        family = config.family  # how this model type differs from BERT (config.FAMILIES)
+        self.add_pooling_layer = add_pooling_layer and family.pooler
+        # Embeddings, of embedding_width E (ELECTRA's embedding_size; else H). RoBERTa's position
+        # table has a padding row too; DistilBERT (type_vocab_size 0) has no token types.
+        E, pad = config.embedding_width, config.pad_token_id
+        self.word_embedding = nn.Embedding(config.vocab_size, E, padding_idx=pad)
+        self.pos_embedding = nn.Embedding(
+            config.max_position_embeddings, E, padding_idx=pad if family.positions_after_padding else None
+        )
+        self.tk_type_embedding = nn.Embedding(config.type_vocab_size, E) if config.type_vocab_size else None
         # Pre-LN (Megatron-BERT) leaves the embeddings to the first layer's LayerNorm.
-        self.embed_layer_norm = None if config.pre_norm else _layer_norm(config)
+        self.embed_layer_norm = None if config.pre_norm else nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.embed_dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.embed_project = nn.Linear(E, config.hidden_size) if E != config.hidden_size else None  # ELECTRA
         # Encoder. Pre-LN normalises the residual stream once, at the end.
         self.bert_layers = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        if not family.attention_output_dropout:  # DistilBERT: no dropout after the attention's projection
+            for layer in self.bert_layers:
+                layer.attention_dropout.p = 0.0
         self.final_layer_norm = _layer_norm(config) if config.pre_norm else None
         # Pooler: [CLS] through a dense layer and tanh.
-        if add_pooling_layer:
+        if self.add_pooling_layer:  # none in DistilBERT and ELECTRA
             self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
             self.pooler_af = nn.Tanh()
         self.init_weights()
@@ -222,8 +231,11 @@ class BertModel(BertPreTrainedModel):
         inputs_embeds: Tensor | None = None,
         past_length: int = 0,
     ) -> Tensor:
-        """Word + token-type + position embeddings, layer-normed (post-LN only): (B, T, H).
-        Positions default to P..P+T-1 after `past_length` (P) cached ones."""
+        """Word + token-type + position embeddings, layer-normed (post-LN only), projected to H
+        (ELECTRA): (B, T, H). Positions default to P..P+T-1 after `past_length` (P) cached ones;
+        RoBERTa's to padding_idx + 1 + the count of real tokens so far (`roberta_position_ids`)."""
+        if position_ids is None and self.config.family.positions_after_padding:
+            position_ids = roberta_position_ids(input_ids, inputs_embeds, self.config.pad_token_id, past_length)
         if inputs_embeds is None:
             inputs_embeds = self.word_embedding(input_ids)
         B, T = inputs_embeds.shape[:2]
@@ -232,10 +244,13 @@ class BertModel(BertPreTrainedModel):
             position_ids = torch.arange(past_length, past_length + T, device=device)[None]  # (1, T)
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
-        # Same additions in the same order as HF: (words + types) + positions.
-        embeddings = inputs_embeds + self.tk_type_embedding(token_type_ids)
+        # Same additions in the same order as HF: (words + types) + positions; DistilBERT has no types.
+        embeddings = inputs_embeds
+        if self.tk_type_embedding is not None:
+            embeddings = embeddings + self.tk_type_embedding(token_type_ids)
         embeddings = embeddings + self.pos_embedding(position_ids)
-        return self.embed_dropout(_norm(self.embed_layer_norm, embeddings))
+        embeddings = self.embed_dropout(_norm(self.embed_layer_norm, embeddings))
+        return embeddings if self.embed_project is None else self.embed_project(embeddings)  # ELECTRA: E -> H
 
     def encode(
         self,

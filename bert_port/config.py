@@ -15,6 +15,85 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# -----------------------------------------------------------------------------------------
+# The BERT family: the model types that run on the one BERT body, and how each differs, as data.
+#
+# transformers picks a model's classes by the `model_type` of its config.json. Each family is
+# BERT with other names and a few small differences, and every difference is a field of `Family`:
+# the config.json names (DistilBERT's `dim`), the values its code fixes instead of reading them
+# (DistilBERT's LayerNorm epsilon), the key table its checkpoints use (`checkpoint/keys.py`), and
+# the differences of arithmetic, which `BertModel.__init__` and `BertModel.embed` read: RoBERTa's
+# positions after the padding index, ELECTRA's embedding projection (the field `embedding_size`),
+# DistilBERT's missing token types and pooler. docs/model_families.md says where each one is.
+
+# DistilBERT's config.json names of BERT's fields (transformers' DistilBertConfig; its
+# `attribute_map` aliases only the first three).
+_DISTILBERT_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "hidden_dim": "intermediate_size",
+    "dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "activation": "hidden_act",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one `model_type` differs from BERT."""
+
+    model_type: str
+    class_prefix: str  # transformers' class names: "Roberta" + "Model", "Roberta" + "ForTokenClassification"
+    encoder_prefix: str  # the encoder's attribute in transformers' task models, as a key prefix ("roberta.")
+    key_table: str = "bert"  # the key table of its checkpoints (checkpoint.keys.KEY_TABLES)
+    config_names: dict[str, str] = field(default_factory=dict)  # config.json name -> BertConfig field
+    fixed: dict[str, Any] = field(default_factory=dict)  # fields its code fixes; never in its config.json
+    defaults: dict[str, Any] = field(default_factory=dict)  # transformers' defaults where they are not BERT's
+    positions_after_padding: bool = False  # RoBERTa: position ids padding_idx + 1 + cumsum of the real tokens
+    pooler: bool = True  # whether transformers' bare model has a pooler
+    attention_output_dropout: bool = True  # DistilBERT drops out nothing after the attention's output projection
+    # The port's task models whose transformers counterpart computes the same (same head, same keys);
+    # None: every one (BERT's own). The sequence classifiers and MLM heads of the others differ.
+    tasks: tuple[str, ...] | None = ("BertForTokenClassification", "BertForQuestionAnswering")
+
+    def supports(self, port_class: str) -> bool:
+        """Whether a port model class computes this family's transformers counterpart."""
+        return self.tasks is None or port_class == "BertModel" or port_class in self.tasks
+
+    def architecture(self, port_class: str) -> str:
+        """transformers' class of a port class in this family: BertForTokenClassification ->
+        RobertaForTokenClassification."""
+        return self.class_prefix + port_class.removeprefix("Bert")
+
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family("bert", "Bert", "bert.", tasks=None),
+    # Pre-LN BERT; `BertConfig.pre_norm` says it (see config.py).
+    "megatron-bert": Family("megatron-bert", "MegatronBert", "bert.", tasks=None),
+    "roberta": Family("roberta", "Roberta", "roberta.", defaults={"pad_token_id": 1}, positions_after_padding=True),
+    "xlm-roberta": Family(
+        "xlm-roberta", "XLMRoberta", "roberta.", defaults={"pad_token_id": 1}, positions_after_padding=True
+    ),
+    "distilbert": Family(
+        "distilbert",
+        "DistilBert",
+        "distilbert.",
+        key_table="distilbert",
+        config_names=_DISTILBERT_NAMES,
+        fixed={"type_vocab_size": 0, "layer_norm_eps": 1e-12},  # no token types; eps hard-coded
+        pooler=False,
+        attention_output_dropout=False,
+    ),
+    "electra": Family("electra", "Electra", "electra.", defaults={"embedding_size": 128}, pooler=False),
+}
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family of a `model_type` (None, as old config.json files leave it: BERT)."""
+    return FAMILIES[model_type or "bert"]
+
+
 # Activations a config may name in `hidden_act`; the functions live in `utils.ACT2FN`.
 # Kept here as names only so that validating a config needs no torch import.
 SUPPORTED_ACTIVATIONS = (
@@ -92,6 +171,26 @@ def _check_runtime_option(name: str, value: Any) -> None:
         raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
 
 
+def _refuse_model_type(model_type: Any) -> None:
+    """A `model_type` outside the BERT family (`FAMILIES`) is refused in one line, never
+    loaded as BERT: a model read with another's arithmetic loads every tensor and computes wrong
+    outputs (RoBERTa read as BERT did, before its positions were computed)."""
+    if model_type is None or (isinstance(model_type, str) and model_type in FAMILIES):
+        return
+    raise ConfigError(
+        f"config.json gives model_type {model_type!r}, which this port cannot compute exactly (it is not a BERT "
+        f"this port knows); it computes {', '.join(map(repr, FAMILIES))}: load this checkpoint with transformers"
+    )
+
+
+def _family_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """A family's config.json in BertConfig's names: DistilBERT's `dim` read as `hidden_size`,
+    transformers' defaults where the family's differ from BERT's, the values its code fixes."""
+    family = family_of(data.get("model_type"))
+    renamed = {family.config_names.get(k, k): v for k, v in data.items()}
+    return {**family.defaults, **renamed, **family.fixed}
+
+
 def _check_model_type(data: dict[str, Any]) -> None:
     """A config.json whose `pre_norm` contradicts its `model_type` describes no model that
     both the port and transformers build the same way: refuse it, saying which to fix."""
@@ -160,6 +259,9 @@ class BertConfig:
     # transformers' own (XmodConfig.pre_norm). It changes the architecture and the checkpoint's
     # key names, so it is a config.json field, written as model_type "megatron-bert".
     pre_norm: bool = False
+    # ELECTRA: the width of the embeddings, projected to hidden_size by a linear layer when they
+    # differ (transformers' `embeddings_project`); None: hidden_size, no projection.
+    embedding_size: int | None = None
     # Sequence classification (HF keeps these on every PreTrainedConfig).
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
@@ -197,6 +299,8 @@ class BertConfig:
         problems = []
         for name, limit in SHAPE_LIMITS.items():
             value = getattr(self, name)
+            if name == "type_vocab_size" and value == 0 and not isinstance(value, bool):
+                continue  # no token types (DistilBERT): the model has no token-type embedding
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
             elif value > limit:
@@ -204,6 +308,9 @@ class BertConfig:
                     f"{name} is {value}, above the {limit} this port accepts: no real BERT is that large, so "
                     "config.json is damaged or belongs to another model; restore it from the original"
                 )
+        size = self.embedding_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= 2**16):
+            problems.append(f"embedding_size must be a positive integer up to {2**16} or null, got {size!r}")
         if not problems and self.hidden_size % self.num_attention_heads != 0:
             problems.append(
                 f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
@@ -253,6 +360,8 @@ class BertConfig:
                 f"position_embedding_type {self.position_embedding_type!r} is not supported "
                 "(transformers 5 BERT supports only 'absolute')"
             )
+        if self.pre_norm is True and self.family.model_type != MEGATRON_MODEL_TYPE:
+            problems.append(f"pre_norm=true is Megatron-BERT's; a {self.family.model_type} model has none: remove it")
         if self.add_cross_attention is True:
             problems.append(
                 "add_cross_attention=True is not supported: this port implements the BERT encoder and "
@@ -261,6 +370,27 @@ class BertConfig:
         return problems
 
     # -- derived ----------------------------------------------------------------------
+
+    @property
+    def family(self) -> Family:
+        """The model type this config describes (`FAMILIES`): Megatron-BERT when pre-LN,
+        else the `model_type` read (BERT when none, or when an override made a Megatron one post-LN)."""
+        read = self.extra.get("model_type")
+        if self.pre_norm is True:
+            return FAMILIES[MEGATRON_MODEL_TYPE]
+        return family_of(None if read == MEGATRON_MODEL_TYPE else read)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest input the position table covers: max_position_embeddings, less RoBERTa's
+        pad_token_id + 1 positions that no token takes (its positions start after the padding index)."""
+        offset = self.pad_token_id + 1 if self.family.positions_after_padding else 0
+        return self.max_position_embeddings - offset
+
+    @property
+    def embedding_width(self) -> int:
+        """The width of the embeddings: `embedding_size` (ELECTRA), else `hidden_size`."""
+        return self.embedding_size or self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -284,6 +414,8 @@ class BertConfig:
         kept as data."""
         if not isinstance(data, dict):
             raise ConfigError(f"a BERT config must be a JSON object, got {type(data).__name__}")
+        _refuse_model_type(data.get("model_type"))
+        data = _family_fields(data)
         if "pre_norm" not in overrides:  # an override sets the architecture, and model_type follows it
             _check_model_type(data)
         data = {**data, **overrides}
@@ -330,6 +462,8 @@ class BertConfig:
             # The default (tied), which most config.json files leave out: written when read or untied.
             if f.name == "tie_word_embeddings" and value is True and f.name not in read:
                 continue
+            if f.name == "embedding_size" and value is None:
+                continue  # ELECTRA's field: written only when it has one
             if f.name == "id2label" and value is not None:
                 value = {str(k): v for k, v in value.items()}
             out[f.name] = value
@@ -338,7 +472,21 @@ class BertConfig:
         if not self.pre_norm and "pre_norm" not in read:
             del out["pre_norm"]  # written when true, or when read: a BERT's config.json stays as it was
         out["model_type"] = _model_type(self.pre_norm, out.get("model_type"))
-        return out
+        return self._in_family_names(out, read)
+
+    def _in_family_names(self, out: dict[str, Any], read: set[str]) -> dict[str, Any]:
+        """`out` (BertConfig's names) as the family's config.json spells it: DistilBERT's `dim`, no
+        field its code fixes, and no BERT field it did not read that is at BERT's default."""
+        family = self.family
+        if family.model_type in ("bert", MEGATRON_MODEL_TYPE):
+            return out
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        names = {v: k for k, v in family.config_names.items()}
+        return {
+            names.get(k, k): v
+            for k, v in out.items()
+            if k not in family.fixed and (k in read or k not in defaults or v != defaults[k])
+        }
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike, **overrides: Any) -> BertConfig:

@@ -265,9 +265,9 @@ def load_hf_state_dict(
 
 
 def convert_keys(model: BertPreTrainedModel, state_dict: dict[str, Tensor]) -> ckpt.Conversion:
-    """The file's tensors under port names (the key table); the pretraining heads this model
-    owns (`hf_head_prefixes`) are kept, the others dropped."""
-    return ckpt.hf_to_port(state_dict, keep_heads=model.hf_head_prefixes)
+    """The file's tensors under port names (the key table of the model's family); the pretraining
+    heads this model owns (`hf_head_prefixes`) are kept, the others dropped."""
+    return ckpt.hf_to_port(state_dict, keep_heads=model.hf_head_prefixes, table=model.config.family.key_table)
 
 
 def place_under_encoder(model: BertPreTrainedModel, conversion: ckpt.Conversion) -> Incoming:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import MEGATRON_MODEL_TYPE, BertConfig
+from .config import FAMILIES, MEGATRON_MODEL_TYPE, BertConfig, family_of
 from .extras import require
 
 
@@ -22,12 +22,13 @@ def _transformers():
 
 
 def hf_config(config: BertConfig | Mapping):
-    """transformers' `BertConfig` with the same fields as `config` (a port config or a
-    config.json dict); its `MegatronBertConfig` for a pre-LN one (`pre_norm`, model_type
-    "megatron-bert")."""
+    """transformers' config of the family (`BertConfig`, `RobertaConfig`, ...) with the same
+    fields as `config` (a port config or a config.json dict, in the family's names); its
+    `MegatronBertConfig` for a pre-LN one (`pre_norm`, model_type "megatron-bert")."""
     fields = config.to_dict() if isinstance(config, BertConfig) else dict(config)
     megatron = fields.get("pre_norm") is True or fields.get("model_type") == MEGATRON_MODEL_TYPE
-    return getattr(_transformers(), "MegatronBertConfig" if megatron else "BertConfig")(**fields)
+    family = FAMILIES[MEGATRON_MODEL_TYPE] if megatron else family_of(fields.get("model_type"))
+    return getattr(_transformers(), family.class_prefix + "Config")(**fields)
 
 
 def random_hf_model(
@@ -54,7 +55,7 @@ def hf_twin(model: nn.Module, attn_implementation: str = "sdpa") -> nn.Module:
     initialisation, thrown away here, must not change the dropout masks that follow."""
     transformers = _transformers()
     cls = getattr(transformers, model.hf_architecture)
-    bare = model.hf_architecture in ("BertModel", "MegatronBertModel")
+    bare = model.hf_architecture.endswith("Model") and model.config.family.pooler  # DistilBERT, ELECTRA: none
     kwargs = {"add_pooling_layer": model.add_pooling_layer} if bare else {}
     with torch.random.fork_rng(devices=[]):
         twin = cls(hf_config(model.config), **kwargs)

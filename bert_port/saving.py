@@ -43,7 +43,9 @@ def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
         for k, v in model.state_dict().items()
         if k not in model.tied_weights
     }
-    return ckpt.port_to_hf(state, encoder_prefix=model.hf_encoder_prefix)
+    family = model.config.family  # a task model's encoder goes under the family's prefix ("roberta.")
+    prefix = family.encoder_prefix if model.hf_encoder_prefix else ""
+    return ckpt.port_to_hf(state, encoder_prefix=prefix, table=family.key_table)
 
 
 def config_to_write(model: BertPreTrainedModel) -> dict:

@@ -24,6 +24,8 @@ from tokenizers.models import WordPiece
 from .checkpoint import CheckpointError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# The padding token of BERT's WordPiece, then of RoBERTa's BPE and XLM-R's SentencePiece (id 1 in both).
+PAD_TOKENS = ("[PAD]", "<pad>")
 DEFAULT_MAX_LENGTH = 512  # BERT's position table, when the tokenizer files name no limit
 # transformers writes int(1e30) as model_max_length when a tokenizer has no limit of its own.
 _NO_LIMIT = 10**9
@@ -167,6 +169,12 @@ def _word_lists_problem(texts: list) -> str | None:
     return None
 
 
+def pad_token_id(tokenizer: Tokenizer) -> int:
+    """The id a batch is padded with: the tokenizer's padding token (`PAD_TOKENS`), else 0. RoBERTa's
+    positions count the tokens that are not this one, so it must be the model's pad_token_id."""
+    return next((i for i in map(tokenizer.token_to_id, PAD_TOKENS) if i is not None), 0)
+
+
 def encode(
     tokenizer: Tokenizer,
     texts: str | Sequence[str],
@@ -197,7 +205,7 @@ def encode(
             raise ValueError(f"pairs has {len(pairs)} texts and texts {len(texts)}; give one pair per text")
     if not texts:
         raise ValueError("encode got no texts; pass at least one string")
-    pad_id = tokenizer.token_to_id("[PAD]") or 0
+    pad_id = pad_token_id(tokenizer)
     previous = tokenizer.truncation
     if max_length is None:
         max_length = previous["max_length"] if previous else DEFAULT_MAX_LENGTH

@@ -149,3 +149,19 @@ def _check_prepared_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
             "a float32 minimum into -inf), or pass a boolean mask (True = attend)"
         )
     return mask
+
+
+def roberta_position_ids(
+    input_ids: Tensor | None, inputs_embeds: Tensor | None, padding_idx: int, past_length: int = 0
+) -> Tensor:
+    """RoBERTa's positions (fairseq's `make_positions`, transformers'
+    `create_position_ids_from_input_ids`): padding_idx + 1 + the count of non-padding tokens up
+    to and including each one, after `past_length` cached ones; padding stays at padding_idx.
+    From `inputs_embeds`, where padding cannot be seen, padding_idx + 1 .. padding_idx + T.
+    The same operations and dtypes as transformers: (B, T) long, or (B, T) from embeddings."""
+    if input_ids is None:
+        B, T = inputs_embeds.shape[:2]
+        positions = torch.arange(padding_idx + 1, T + padding_idx + 1, dtype=torch.long, device=inputs_embeds.device)
+        return positions.unsqueeze(0).expand(B, T)
+    mask = input_ids.ne(padding_idx).int()
+    return ((torch.cumsum(mask, dim=1).type_as(mask) + past_length) * mask).long() + padding_idx

@@ -32,11 +32,14 @@ def check_inputs(
     B, T = _input_shape(config, input_ids, inputs_embeds)
     if input_ids is not None:
         _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
-    if position_ids is None and past_length + T > config.max_position_embeddings:
+    longest = config.max_sequence_length  # RoBERTa: pad_token_id + 1 fewer than max_position_embeddings
+    offset = config.max_position_embeddings - longest
+    if position_ids is None and past_length + T > longest:
         cached = f" after {past_length} cached positions" if past_length else ""
         raise ValueError(
-            f"sequence length {T}{cached} exceeds max_position_embeddings={config.max_position_embeddings}; "
-            f"truncate the input (e.g. tokenizer truncation to {config.max_position_embeddings})"
+            f"sequence length {T}{cached} exceeds max_position_embeddings={config.max_position_embeddings}"
+            + (f" less the {offset} positions up to the padding index" if offset else "")
+            + f"; truncate the input (e.g. tokenizer truncation to {longest})"
         )
     if position_ids is not None:
         if position_ids.dim() != 2 or position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
@@ -45,7 +48,8 @@ def check_inputs(
     if token_type_ids is not None:
         if tuple(token_type_ids.shape) != (B, T):
             raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input {(B, T)}")
-        _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
+        if config.type_vocab_size:  # none (DistilBERT): a tokenizer's segment ids are not used, as it has none
+            _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
     if attention_mask is not None:
         _check_mask(attention_mask, B, T, past_length)
 
@@ -60,9 +64,9 @@ def _input_shape(config: BertConfig, input_ids: Tensor | None, inputs_embeds: Te
             raise ValueError("input_ids must be integer token ids, got a floating tensor")
         shape = tuple(input_ids.shape)
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_width:
             raise ValueError(
-                f"inputs_embeds must be (batch, seq_len, {config.hidden_size}), got {tuple(inputs_embeds.shape)}"
+                f"inputs_embeds must be (batch, seq_len, {config.embedding_width}), got {tuple(inputs_embeds.shape)}"
             )
         shape = tuple(inputs_embeds.shape[:2])
     if shape[0] == 0 or shape[1] == 0:

@@ -245,8 +245,8 @@ def test_attention_and_ffn_layer_norms_swapped_by_the_key_table_are_caught(megat
     for part in ("weight", "bias"):
         a, b = f"encoder.layer.{{}}.attention.ln.{part}", f"encoder.layer.{{}}.ln.{part}"
         table[a], table[b] = table[b], table[a]
-    monkeypatch.setattr(ckpt.keys, "HF_TO_PORT", table)
-    monkeypatch.setattr(ckpt.keys, "PORT_TO_HF", {v: k for k, v in table.items()})
+    monkeypatch.setitem(ckpt.keys.KEY_TABLES, "bert", table)
+    monkeypatch.setitem(ckpt.keys.INVERSE_TABLES, "bert", {v: k for k, v in table.items()})
     directory, hf = megatron
     _assert_caught(_check(BertModel.from_pretrained(directory), hf, batches), "layer 0")
 

@@ -96,8 +96,8 @@ def test_query_key_swapped_by_the_key_table_is_caught(minilm_path, hf_reference,
     for part in ("weight", "bias"):
         q, k = (f"encoder.layer.{{}}.attention.self.{n}.{part}" for n in ("query", "key"))
         table[q], table[k] = table[k], table[q]
-    monkeypatch.setattr(ckpt.keys, "HF_TO_PORT", table)  # the layer that looks the table up
-    monkeypatch.setattr(ckpt.keys, "PORT_TO_HF", {v: k for k, v in table.items()})
+    monkeypatch.setitem(ckpt.keys.KEY_TABLES, "bert", table)  # the layer that looks the table up
+    monkeypatch.setitem(ckpt.keys.INVERSE_TABLES, "bert", {v: k for k, v in table.items()})
     ours = BertModel.from_pretrained(minilm_path)
     hf_key = hf_reference.encoder.layer[0].attention.self.key.weight
     assert torch.equal(ours.bert_layers[0].self_attention.query.weight, hf_key)

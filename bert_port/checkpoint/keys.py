@@ -57,17 +57,52 @@ HF_TO_PORT: dict[str, str] = {
     "encoder.ln.bias": "final_layer_norm.bias",
     "pooler.dense.weight": "pooler_dense.weight",
     "pooler.dense.bias": "pooler_dense.bias",
+    # ELECTRA: embeddings of embedding_size projected to hidden_size (`BertConfig.embedding_size`).
+    "embeddings_project.weight": "embed_project.weight",
+    "embeddings_project.bias": "embed_project.bias",
 }
-PORT_TO_HF: dict[str, str] = {v: k for k, v in HF_TO_PORT.items()}
-if len(PORT_TO_HF) != len(HF_TO_PORT):
-    raise ImportError("checkpoint.HF_TO_PORT must be one-to-one: two HF names map to the same port name")
+
+# DistilBERT's names (transformers' DistilBertModel): no token types, no pooler, no pre-LN.
+DISTILBERT_TO_PORT: dict[str, str] = {
+    "embeddings.word_embeddings.weight": "word_embedding.weight",
+    "embeddings.position_embeddings.weight": "pos_embedding.weight",
+    "embeddings.LayerNorm.weight": "embed_layer_norm.weight",
+    "embeddings.LayerNorm.bias": "embed_layer_norm.bias",
+    "transformer.layer.{}.attention.q_lin.weight": "bert_layers.{}.self_attention.query.weight",
+    "transformer.layer.{}.attention.q_lin.bias": "bert_layers.{}.self_attention.query.bias",
+    "transformer.layer.{}.attention.k_lin.weight": "bert_layers.{}.self_attention.key.weight",
+    "transformer.layer.{}.attention.k_lin.bias": "bert_layers.{}.self_attention.key.bias",
+    "transformer.layer.{}.attention.v_lin.weight": "bert_layers.{}.self_attention.value.weight",
+    "transformer.layer.{}.attention.v_lin.bias": "bert_layers.{}.self_attention.value.bias",
+    "transformer.layer.{}.attention.out_lin.weight": "bert_layers.{}.attention_dense.weight",
+    "transformer.layer.{}.attention.out_lin.bias": "bert_layers.{}.attention_dense.bias",
+    "transformer.layer.{}.sa_layer_norm.weight": "bert_layers.{}.attention_layer_norm.weight",
+    "transformer.layer.{}.sa_layer_norm.bias": "bert_layers.{}.attention_layer_norm.bias",
+    "transformer.layer.{}.ffn.lin1.weight": "bert_layers.{}.interm_dense.weight",
+    "transformer.layer.{}.ffn.lin1.bias": "bert_layers.{}.interm_dense.bias",
+    "transformer.layer.{}.ffn.lin2.weight": "bert_layers.{}.out_dense.weight",
+    "transformer.layer.{}.ffn.lin2.bias": "bert_layers.{}.out_dense.bias",
+    "transformer.layer.{}.output_layer_norm.weight": "bert_layers.{}.out_layer_norm.weight",
+    "transformer.layer.{}.output_layer_norm.bias": "bert_layers.{}.out_layer_norm.bias",
+}
+
+# The key table of each family (`config.Family.key_table`): RoBERTa, XLM-R and ELECTRA use
+# BERT's names under their own wrapper prefix; DistilBERT has its own.
+KEY_TABLES: dict[str, dict[str, str]] = {"bert": HF_TO_PORT, "distilbert": DISTILBERT_TO_PORT}
+INVERSE_TABLES: dict[str, dict[str, str]] = {name: {v: k for k, v in t.items()} for name, t in KEY_TABLES.items()}
+for _name, _table in KEY_TABLES.items():
+    if len(INVERSE_TABLES[_name]) != len(_table):
+        raise ImportError(f"checkpoint key table {_name!r} must be one-to-one: two HF names map to one port name")
+PORT_TO_HF: dict[str, str] = INVERSE_TABLES["bert"]
 
 # Keys that real checkpoints carry and the encoder does not need. Buffers are accepted
 # silently; pretraining heads are dropped and reported.
 BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
 DROPPED_PREFIXES = ("cls.predictions.", "cls.seq_relationship.")
-# Wrappers that training code puts around a model: DDP, torch.compile, HF task models.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "bert.")
+# Wrappers that training code puts around a model: DDP, torch.compile, HF task models (each
+# family's `Family.encoder_prefix`).
+ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "electra.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", *ENCODER_PREFIXES)
 # Keys of task heads that sit beside the encoder and keep their names in both layouts.
 # Which model owns which head is said by the model classes (heads.py, classifier.py).
 HEAD_PREFIXES = ("classifier.", "qa_outputs.", "cls.")
@@ -120,31 +155,36 @@ class Layout:
 
     prefix: str = ""
     legacy_layer_norm: bool = False
+    table: str = "bert"  # the family's key table (KEY_TABLES)
 
     def spell(self, port_key: str) -> str:
         """The name a port key (without a task model's `bert.`) has in a file of this layout."""
         if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
-            return self.prefix.removesuffix("bert.") + port_key
-        hf_key = _map_key(port_key, PORT_TO_HF) or port_key
+            parts = self.prefix.split(".")[:-1]  # "module.roberta." -> ["module", "roberta"]
+            if parts and parts[-1] + "." in ENCODER_PREFIXES:
+                parts.pop()
+            return "".join(part + "." for part in parts) + port_key
+        hf_key = _map_key(port_key, INVERSE_TABLES[self.table]) or port_key
         if self.legacy_layer_norm and hf_key.endswith(("LayerNorm.weight", "LayerNorm.bias")):
             hf_key = hf_key.rsplit(".", 1)[0] + (".gamma" if hf_key.endswith("weight") else ".beta")
         return self.prefix + hf_key
 
 
-def detect_layout(keys: Iterable[str]) -> Layout:
-    """The layout of a file from its keys: the wrapper prefix most of its encoder keys carry,
-    and gamma/beta when most of its LayerNorm keys use them."""
+def detect_layout(keys: Iterable[str], table: str = "bert") -> Layout:
+    """The layout of a file from its keys: the wrapper prefix most of its encoder keys carry
+    (named by the family's key `table`), and gamma/beta when most of its LayerNorm keys use them."""
     prefixes: Counter[str] = Counter()
     legacy = modern = 0
     for raw in keys:
         prefix, rest = _split_prefix(raw)
-        if _map_key(normalize_hf_key(rest), HF_TO_PORT) is not None:
+        if _map_key(normalize_hf_key(rest), KEY_TABLES[table]) is not None:
             prefixes[prefix] += 1
         if rest.endswith(("LayerNorm.gamma", "LayerNorm.beta")):
             legacy += 1
         elif rest.endswith(("LayerNorm.weight", "LayerNorm.bias")):
             modern += 1
-    return Layout(prefix=prefixes.most_common(1)[0][0] if prefixes else "", legacy_layer_norm=legacy > modern)
+    prefix = prefixes.most_common(1)[0][0] if prefixes else ""
+    return Layout(prefix=prefix, legacy_layer_norm=legacy > modern, table=table)
 
 
 # -----------------------------------------------------------------------------------------
@@ -237,13 +277,14 @@ class LoadPlan:
         return "\n".join(lines)
 
 
-def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = ()) -> LoadPlan:
+def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = (), table: str = "bert") -> LoadPlan:
     """The plan of loading a file with these keys (any HF layout: BertModel, BertFor*,
     bare sentence-transformers, legacy gamma/beta, wrapper prefixes). Task-head keys such
     as `classifier.*` keep their names. Pretraining-head keys (`cls.*`) are dropped unless
-    they start with one of `keep_heads`, the heads of the model being loaded."""
+    they start with one of `keep_heads`, the heads of the model being loaded. `table` names the
+    family's key table (`KEY_TABLES`: "distilbert" for DistilBERT's names)."""
     keys = list(keys)
-    plan = LoadPlan(layout=detect_layout(keys))
+    plan = LoadPlan(layout=detect_layout(keys, table))
     for raw_key in keys:
         key = normalize_hf_key(raw_key)
         if key != raw_key:
@@ -254,7 +295,7 @@ def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = ()) -> LoadPlan
         if key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
             plan.dropped.append(raw_key)
             continue
-        new_key = key if key.startswith(HEAD_PREFIXES) else _map_key(key, HF_TO_PORT)
+        new_key = key if key.startswith(HEAD_PREFIXES) else _map_key(key, KEY_TABLES[table])
         if new_key is None:
             plan.unmapped.append(raw_key)
             new_key = raw_key  # kept under its own name so the load error can list it
@@ -275,10 +316,10 @@ class Conversion(LoadPlan):
     state_dict: dict[str, Tensor] = field(default_factory=dict)
 
 
-def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = ()) -> Conversion:
+def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = (), table: str = "bert") -> Conversion:
     """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
     sentence-transformers, legacy gamma/beta) to port names, following `plan_load`."""
-    plan = plan_load(state_dict, keep_heads)
+    plan = plan_load(state_dict, keep_heads, table)
     out = Conversion(**vars(plan))
     out.state_dict = {port: state_dict[raw] for port, raw in plan.sources.items()}
     if out.dropped:
@@ -290,18 +331,18 @@ def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = (
     return out
 
 
-def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "") -> dict[str, Tensor]:
-    """Inverse of `hf_to_port` for a port state dict. Encoder keys get HF names with
-    `encoder_prefix` (``""`` for BertModel, ``"bert."`` for task models); head keys keep
-    their names."""
+def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "", table: str = "bert") -> dict[str, Tensor]:
+    """Inverse of `hf_to_port` for a port state dict. Encoder keys get the HF names of the
+    family's key `table` with `encoder_prefix` (``""`` for BertModel, ``"bert."`` or the
+    family's for task models); head keys keep their names."""
     out = {}
     for key, tensor in state_dict.items():
         if key.startswith(HEAD_PREFIXES):
             out[key] = tensor
             continue
-        hf_key = _map_key(key, PORT_TO_HF)
+        hf_key = _map_key(key, INVERSE_TABLES[table])
         if hf_key is None:
-            raise KeyError(f"port key {key!r} has no entry in the key table (checkpoint.HF_TO_PORT)")
+            raise KeyError(f"port key {key!r} has no entry in the key table {table!r} (checkpoint.KEY_TABLES)")
         out[encoder_prefix + hf_key] = tensor
     return out
 
@@ -314,7 +355,7 @@ def layer_indices(state_dict: Iterable[str]) -> set[int]:
     """The encoder layer indices a state dict (any layout) has tensors for."""
     out = set()
     for raw in state_dict:
-        match = re.match(r"encoder\.layer\.(\d+)\.", normalize_hf_key(raw))
+        match = re.match(r"(?:encoder|transformer)\.layer\.(\d+)\.", normalize_hf_key(raw))  # DistilBERT's too
         if match:
             out.add(int(match.group(1)))
     return out

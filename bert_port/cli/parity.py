@@ -114,7 +114,7 @@ def _input_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="truncate to this many tokens; the adversarial long row has exactly this many "
-        "(default: the model's max_position_embeddings)",
+        "(default: the model's max_position_embeddings, less RoBERTa's offset of pad_token_id + 1)",
     )
     p.add_argument(
         "--no-adversarial",
@@ -241,11 +241,16 @@ def load_inputs(args: argparse.Namespace, ours) -> tuple[list, str, int]:
     from bert_port import load_tokenizer
 
     config = ours.config
-    max_length = args.max_length or config.max_position_embeddings
-    if not 4 <= max_length <= config.max_position_embeddings:
+    max_length = args.max_length or config.max_sequence_length
+    if not 4 <= max_length <= config.max_sequence_length:
         raise Refused(
-            f"--max-length must be between 4 and the model's max_position_embeddings "
-            f"({config.max_position_embeddings}), got {max_length}"
+            f"--max-length must be between 4 and the model's max_position_embeddings ({config.max_position_embeddings})"
+            + (
+                f" less RoBERTa's offset ({config.max_sequence_length})"
+                if config.max_sequence_length < config.max_position_embeddings
+                else ""
+            )
+            + f", got {max_length}"
         )
     tokenizer_dir = args.tokenizer or ours.source_dir
     try:
@@ -263,6 +268,9 @@ def load_inputs(args: argparse.Namespace, ours) -> tuple[list, str, int]:
         )
     except ValueError as exc:
         raise Refused(str(exc)) from None
+    if not config.type_vocab_size:  # DistilBERT takes no token_type_ids (transformers' forward refuses them)
+        for batch in batches:
+            batch.inputs.pop("token_type_ids", None)
     _check_ids_fit(batches, config, tokenizer_dir)
     return batches, texts_from, len(examples)
 
@@ -272,6 +280,8 @@ def _check_ids_fit(batches: list, config: BertConfig, tokenizer_dir) -> None:
         ("input_ids", config.vocab_size, "vocab_size"),
         ("token_type_ids", config.type_vocab_size, "type_vocab_size"),
     ):
+        if any(name not in b.inputs for b in batches):
+            continue
         top = max(int(b.inputs[name].max()) for b in batches)
         if top >= limit:
             raise Refused(
@@ -284,7 +294,7 @@ def load(args: argparse.Namespace) -> Loaded:
     source, reference, ours, note, differences = load_sources(args)
     batches, texts_from, count = load_inputs(args, ours)
     pairs = sum(b.rows for b in batches if b.name.startswith("pairs"))
-    max_length = args.max_length or ours.config.max_position_embeddings
+    max_length = args.max_length or ours.config.max_sequence_length
     inputs = (
         f"{count} examples from {texts_from} ({pairs} pairs), max length {max_length}"
         + ("" if args.no_adversarial else ", plus the edge cases")

@@ -31,6 +31,7 @@ from tokenizers import Encoding, Tokenizer
 from .. import checkpoint as ckpt
 from ..sentence import SentenceEncoder
 from ..threads import ThreadGovernor
+from ..tokenization import pad_token_id
 from . import store
 from .corpus import Columns, EmbedError, Record, Scan, describe
 
@@ -163,7 +164,7 @@ class ShardEmbedder:
         # A copy: truncation is set once here and the encoder's own tokenizer is left as it was.
         self.tokenizer = Tokenizer.from_str(encoder.tokenizer.to_str())
         self.tokenizer.enable_truncation(max_length=encoder.max_seq_length)
-        self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
+        self.pad_id = pad_token_id(self.tokenizer)
         self.prompt, self.opts, self.bar = prompt, opts, bar
         self.governor = ThreadGovernor() if opts.threads == "auto" else None
         if isinstance(opts.threads, int):

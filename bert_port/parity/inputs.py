@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..tokenization import encode
+from ..tokenization import encode, pad_token_id
 
 # Built-in real text: movie-review sentences (MR), SMS messages, news and technical prose,
 # accents, CJK, numbers and punctuation, of varied lengths, and sentence pairs.
@@ -131,12 +131,14 @@ def build_batches(
 def adversarial_batches(tokenizer, max_length: int) -> list[Batch]:
     """The built-in edge cases (see `build_batches`)."""
     text = " ".join(DEFAULT_TEXTS)
-    while len(tokenizer.encode(text).ids) < max_length:
+    previous, count = -1, len(tokenizer.encode(text).ids)
+    while previous < count < max_length:  # stops too where the tokenizer's truncation caps the count
         text = f"{text} {text}"
+        previous, count = count, len(tokenizer.encode(text).ids)
     longest = encode(tokenizer, [text], max_length=max_length)  # (1, max_length)
 
     edge = encode(tokenizer, [DEFAULT_TEXTS[3], "", ""])  # real row + two rows to overwrite, (3, T)
-    pad_id = tokenizer.token_to_id("[PAD]") or 0
+    pad_id = pad_token_id(tokenizer)
     cls_id = int(edge["input_ids"][0, 0])
     edge["input_ids"][1:] = pad_id
     edge["attention_mask"][1:] = 0

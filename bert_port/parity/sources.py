@@ -136,9 +136,12 @@ def _hf_view(files, stack: contextlib.ExitStack) -> Path | None:
 
 
 def _read_by_transformers(transformers, files: CheckpointFiles, attn: str, ours):
-    """transformers' model of the class `ours` has (BertModel, or MegatronBertModel for a pre-LN
-    config) as its own loader reads `files`, or None and why not."""
-    kwargs = dict(dtype=torch.float32, attn_implementation=attn, add_pooling_layer=ours.add_pooling_layer)
+    """transformers' model of the class `ours` has (`hf_architecture`: BertModel, MegatronBertModel
+    for a pre-LN config, RobertaModel, DistilBertModel, ... by model_type) as its own loader reads
+    `files`, or None and why not."""
+    kwargs = dict(dtype=torch.float32, attn_implementation=attn)
+    if ours.config.family.pooler:  # DistilBertModel and ElectraModel take no add_pooling_layer
+        kwargs["add_pooling_layer"] = ours.add_pooling_layer
     why = "transformers cannot read this file layout"
     with contextlib.ExitStack() as stack:
         try:
