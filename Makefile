@@ -62,6 +62,11 @@ lint: setup
 # and every file of configs/ (shipped as package data in bert_port/configs/), find the
 # bundled checkpoint, and run the parity check. `rm -rf build` first: setuptools packs whatever an
 # earlier build left in build/lib.
+# One forward of the bundled checkpoint on real text, saved to argv[1]: the wheel's and the checkout's must agree.
+export WHEEL_FORWARD := import sys, torch; from bert_port import BertModel, encode, load_tokenizer; \
+  from bert_port.assets import minilm_dir; m = BertModel.from_pretrained(minilm_dir()); \
+  b = encode(load_tokenizer(minilm_dir()), ["a gripping film.", "the rock is destined to be the new conan"]); \
+  torch.inference_mode().__enter__(); torch.save(m(**b).last_hidden_state, sys.argv[1])
 wheel-check: setup
 	rm -rf build && mkdir -p build/wheel
 	$(PY) -m pip wheel --quiet --no-deps $$($(PY) -c 'import setuptools' 2>/dev/null && echo --no-build-isolation) \
@@ -82,6 +87,13 @@ wheel-check: setup
 	  assert built, "no C kernels in the wheel: setup.py builds them"; print("kernel variants:", built); \
 	  print("bert_port from", where.parent)' "$$tmp/site" "$(CURDIR)"; \
 	$$py "$$tmp/site/bin/bert-port-parity" --device cpu --dtype float32 --no-progress; \
+	mkdir -m 555 "$$tmp/home"; \
+	env -i PATH=/nonexistent HOME="$$tmp/home" PYTHONPATH="$$tmp/site" $$py -c "$$WHEEL_FORWARD" "$$tmp/wheel.pt"; \
+	(cd "$(CURDIR)" && $$py -c "$$WHEEL_FORWARD" "$$tmp/checkout.pt"); \
+	$$py -c 'import sys, torch; a, b = (torch.load(p) for p in sys.argv[1:]); \
+	  assert torch.equal(a, b), "the wheel, with no compiler and a read-only home, gave other bits than the checkout"; \
+	  print("wheel forward: same bits as the checkout, no compiler on PATH, read-only home")' "$$tmp/wheel.pt" "$$tmp/checkout.pt"; \
+	test -z "$$(ls -A "$$tmp/home")"; \
 	$$py "$$tmp/site/bin/bert-port-bench" --quick --threads 2 --markdown "$$tmp/bench.md"; \
 	$$py "$$tmp/site/bin/bert-port-finetune" --config finetune_sms_minilm --max-steps 4 --eval-steps 2 \
 	  --output-dir "$$tmp/run"; \
