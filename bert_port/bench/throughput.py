@@ -258,7 +258,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
             result["bf16"] = bf16_rows(
                 "MiniLM / MR", ours, ref, reference, batches, args, device, report, path, bf16_peers
             )
-            for port in ("port, bf16 weights", "port, bf16 autocast"):
+            for port in ("port, bf16 weights", "port, bf16 weights, batch_invariant=False", "port, bf16 autocast"):
                 for line in port_vs(result["bf16"], port, list(bf16_peers)):
                     report.line(line)
     if args.profile:
