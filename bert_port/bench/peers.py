@@ -7,9 +7,9 @@ Each builder returns rows (`harness.Row`) whose forward takes a padded batch (th
 T' <= T (CTranslate2 returns only up to the longest real sequence). A peer that is not installed is left out,
 with a line saying which `pip install` brings it; the bench goes on without it.
 
-On the CPU, CTranslate2, ONNX Runtime and OpenVINO each run in a process of their own (`PeerProcess`,
-`peer_worker.py` says why); their rows carry a `timed` call for the bench to time, which
-leaves the hidden state in that process.
+On the CPU, CTranslate2, ONNX Runtime and OpenVINO each run in a process of their own
+(`PeerProcess`, `peer_worker.py` says why); their rows carry a `timed` call for the bench to
+time, which leaves the hidden state in that process.
 """
 
 from __future__ import annotations

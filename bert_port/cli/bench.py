@@ -1,11 +1,11 @@
 """`bert-port-bench`: the port's speed against transformers.BertModel (sdpa) and the peers
-(CTranslate2, ONNX Runtime, OpenVINO, sentence-transformers), side by side in one process, with the
-parity of every speed row beside it.
+(CTranslate2, ONNX Runtime, OpenVINO, sentence-transformers), side by side in one process,
+with the parity of every speed row beside it.
 
 Sections (`bert_port/bench/`): import time, matmul roofline, real text (all-MiniLM-L6-v2 on
 MR batches: fp32 with the peers, bf16 where the CPU has native bf16; `real1`: the same again
-at 1 thread, where the bench runs at more), int8 (the port's against
-CTranslate2's, ONNX Runtime's and OpenVINO's (NNCF), at 1 and 2 threads, with accuracy columns), busy neighbour
+at 1 thread, where the bench runs at more), int8 (the port's against CTranslate2's, ONNX
+Runtime's and OpenVINO's (NNCF), at 1 and 2 threads, with accuracy columns), busy neighbour
 (the kept share of each system's throughput with one CPU held by a shell loop), fixed length
 (bert-base shape), checkpoint load time and peak RSS, the fine-tuning step; with
 `--generate`, text generation with and without the KV cache; with `--profile`, where the
