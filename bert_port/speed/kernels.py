@@ -128,7 +128,9 @@ def packed_attention(qkv: Tensor, starts: Tensor, lens: Tensor, num_heads: int, 
     N, three_h = qkv.shape
     starts, lens = starts.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     if three_h % (3 * num_heads) or bool(((starts < 0) | (lens < 1) | (starts + lens > N)).any()):
-        raise ValueError(f"packed_attention: sequences outside the {N} rows, or {three_h} columns not 3 x {num_heads} heads")
+        raise ValueError(
+            f"packed_attention: sequences outside the {N} rows, or {three_h} columns not 3 x {num_heads} heads"
+        )
     out = qkv.new_zeros(N, three_h // 3)
     failed = _library().packed_attention(
         qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), starts.data_ptr(), lens.data_ptr(), len(starts),
