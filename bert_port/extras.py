@@ -17,6 +17,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformers": ("parity", "the transformers reference"),
     "ctranslate2": ("bench", "the CTranslate2 rows of the benchmark"),
     "onnxruntime": ("bench", "the ONNX Runtime rows of the benchmark"),
+    "openvino": ("bench", "the OpenVINO rows of the benchmark"),
+    "nncf": ("bench", "the OpenVINO int8 row of the benchmark (post-training quantization)"),
     "onnx": ("bench", "exporting to ONNX"),
     "onnxscript": ("bench", "exporting to ONNX"),
     "sentence_transformers": ("bench", "the sentence-transformers reference"),

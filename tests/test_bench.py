@@ -277,3 +277,97 @@ def test_int8_classifier_section_fine_tunes_then_compares_the_predictions(capsys
     assert 0.0 < result["predictions_kept"] <= 1.0
     out = capsys.readouterr().out
     assert f"points lost (bar <= {INT8_ACCURACY.accuracy_drop_points})" in out and "| port, int8 |" in out
+
+
+def test_openvino_not_importable_is_reported_and_left_out(monkeypatch, tmp_path, capsys):
+    """Without openvino (a None in sys.modules makes its import fail, as a broken or absent
+    install does), the real-text and int8 peers say which pip install brings it and build
+    nothing: no ONNX export, no process."""
+    import argparse
+    import contextlib
+
+    from bert_port.bench import int8, peers
+
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    cpu = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        rows = peers.peer_rows(["openvino"], tmp_path, None, tmp_path, cpu, 1, Report(), stack, bf16=True)
+        args = argparse.Namespace(peers=["openvino"])
+        int8_rows = int8.peer_rows(args, tmp_path, tmp_path, Report(), stack, calibration=None)
+    assert rows == {} and int8_rows == {} and not list(tmp_path.iterdir())
+    out = capsys.readouterr().out
+    assert "openvino: not installed (openvino): pip install 'bert-port[bench]'" in out
+    assert "OpenVINO int8 (NNCF): not installed (openvino); pip install 'bert-port[bench]'" in out
+
+
+def test_openvino_calibration_leaves_out_the_timed_and_checked_sentences(minilm_path):
+    """NNCF's calibration feeds: one MR sentence each, none of them a sentence of the batches
+    to avoid (there: the timed and the checked ones)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from bert_port import load_tokenizer
+    from bert_port.bench.int8 import calibration_feeds
+
+    tokenizer = load_tokenizer(minilm_path)
+    first = calibration_feeds(tokenizer, [], 8, seed=0)
+    assert len(first) == 8 and all(set(f) == {"input_ids", "attention_mask", "token_type_ids"} for f in first)
+    ids = [torch.from_numpy(f["input_ids"][0]) for f in first]
+    avoid = {"input_ids": pad_sequence(ids, batch_first=True)}
+    avoid["attention_mask"] = pad_sequence([torch.ones_like(i) for i in ids], batch_first=True)
+    again = calibration_feeds(tokenizer, [avoid], 8, seed=0)
+    assert len(again) == 8 and not {tuple(i.tolist()) for i in ids} & {tuple(f["input_ids"][0]) for f in again}
+
+
+@pytest.mark.slow
+def test_openvino_rows_appear_in_the_real_text_tables_at_quick_size(tmp_path):
+    """`--quick --peers openvino`: OpenVINO's fp32 row with its parity beside it, the port's
+    ratio to it, and its bf16 row where the CPU has native bf16."""
+    pytest.importorskip("openvino")
+    md, js = tmp_path / "bench.md", tmp_path / "bench.json"
+    skip = "import,roofline,real1,int8,int8-classifier,busy,fixed,load,finetune"
+    argv = ["--quick", "--skip", skip, "--peers", "openvino", "--markdown", str(md), "--json", str(js)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-m", "bert_port.cli.bench", *argv], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    results, table = json.loads(js.read_text()), md.read_text()
+    rows = results["real"]["fp32"]["rows"]
+    (fp32,) = [name for name in rows if name.startswith("OpenVINO ")]
+    assert ", fp32" in fp32 and f"port vs {fp32}: " in table
+    assert rows[fp32]["max_abs_diff_vs_transformers_fp32"] < 1e-4 and rows[fp32]["tolerance_use"] <= 1.0
+    if results["machine"]["native_bf16"]:
+        (bf16,) = [name for name in results["real"]["bf16"]["rows"] if name.startswith("OpenVINO ")]
+        assert ", bf16" in bf16 and f"port, bf16 weights vs {bf16}: " in table
+    else:
+        assert "bf16" not in results["real"]
+
+
+@pytest.mark.slow
+def test_openvino_int8_rows_build_in_their_process_with_accuracy_columns(minilm_path, tmp_path):
+    """The int8 table's OpenVINO rows at `--quick` size: NNCF's quantization calibrated on MR
+    sentences, one row per thread count, in a process without torch, and its accuracy against
+    the port's fp32 as the section computes it for every int8 peer."""
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    import argparse
+    import contextlib
+    import functools
+
+    from bert_port import BertModel, load_tokenizer
+    from bert_port.bench import int8
+    from bert_port.bench.harness import mr_batches
+    from bert_port.bench.throughput import model_forward
+
+    tokenizer = load_tokenizer(minilm_path)
+    batches = mr_batches(tokenizer, 2, 16, 0, torch.device("cpu"))
+    calibration = functools.partial(int8.calibration_feeds, tokenizer, batches, int8.QUICK_CALIBRATION, 0)
+    args = argparse.Namespace(peers=["openvino"], quick=True)
+    with contextlib.ExitStack() as stack:
+        peers = int8.peer_rows(args, minilm_path, tmp_path, Report(), stack, calibration)
+        assert list(peers) == ["OpenVINO int8 (NNCF)"] and set(peers["OpenVINO int8 (NNCF)"]) == set(int8.THREADS)
+        rows = peers["OpenVINO int8 (NNCF)"]
+        assert rows[2].timed(batches[0]) is None
+        expected = int8.embeddings(model_forward(BertModel.from_pretrained(minilm_path)), batches)
+        scores = int8.accuracy(expected, int8.embeddings(rows[1].forward, batches))
+    assert 0.9 < scores["cos_min"] <= scores["cos_mean"] < 1.0 and 0.0 < scores["neighbours_kept"] <= 1.0

@@ -1,6 +1,8 @@
 """The int8 section: the port with `quantization="int8"` against CTranslate2 int8 (and ONNX
-Runtime int8, dynamically quantized from an ONNX export of transformers' model), each peer
-in a process of its own, at 1 and 2 threads, on the MR batches of the real-text table.
+Runtime int8, dynamically quantized from an ONNX export of transformers' model, and OpenVINO
+int8, that export quantized by NNCF's post-training quantization calibrated on MR sentences
+that are neither timed nor checked), each peer in a process of its own, at 1 and 2 threads,
+on the MR batches of the real-text table.
 
 Every row has accuracy columns against the port in float32 of the same run: sentence
 embeddings (mean pooling over real tokens, as all-MiniLM-L6-v2 pools), their cosine to
@@ -13,6 +15,7 @@ classifier in float32 and measures the test accuracy int8 loses, the bar's last 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import statistics
 import tempfile
@@ -26,11 +29,12 @@ from torch import Tensor
 from bert_port.tolerance import INT8_ACCURACY
 
 from .harness import Row, interleave, mr_batches, mr_texts, ratio
-from .peers import PeerProcess, importable, onnx_export
+from .peers import NAMES, PeerProcess, importable, onnx_file
 from .throughput import model_forward
 
 THREADS = (1, 2)
 ACCURACY_TEXTS, QUERIES, NEIGHBOURS = 2000, 100, 10
+CALIBRATION, QUICK_CALIBRATION = 300, 64  # NNCF's default subset size; --quick: the path, not the figure
 CLASSIFIER_RECIPE, CLASSIFIER_TRAIN = "finetune_mr_minilm", 1536  # the shipped recipe, on its first 1,536 sentences
 PORT_FP32, PORT_INT8 = "port, fp32", "port, int8"
 
@@ -54,7 +58,7 @@ def _onnxruntime_int8(reference, workdir: Path, worker: PeerProcess) -> dict[int
     by `onnxruntime.quantization.quantize_dynamic` (uint8 activations, one scale per tensor)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    fp32 = onnx_export(reference, workdir / "transformers.onnx")
+    fp32 = onnx_file(reference, workdir)
     int8 = workdir / "transformers.int8.onnx"
     quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
     return {
@@ -63,26 +67,70 @@ def _onnxruntime_int8(reference, workdir: Path, worker: PeerProcess) -> dict[int
     }
 
 
-def peer_rows(args, model_dir: Path, workdir: Path, report, stack: contextlib.ExitStack) -> dict[str, dict[int, Row]]:
-    """{peer name: {threads: row}} for each int8 peer asked for (`--peers`) that builds."""
-    builders = {
-        "CTranslate2 int8": ("ctranslate2", ("ctranslate2",), lambda w: _ctranslate2_int8(model_dir, workdir, w))
+def _openvino_int8(reference, workdir: Path, calibration: list[dict], worker: PeerProcess) -> dict[int, Row]:
+    """transformers' model exported (`peers.onnx_file`), converted by OpenVINO and quantized by
+    `nncf.quantize` (transformer preset: int8 MatMuls, SmoothQuant) on the `calibration` feeds,
+    once in `worker`; the layers left unquantized run in f32 (peer_worker.openvino_forward)."""
+    from importlib.metadata import version
+
+    path = onnx_file(reference, workdir)
+    name = f"OpenVINO {version('openvino')} + NNCF {version('nncf')}, int8"
+    options = {"path": str(path), "precision": "int8", "calibration": calibration}
+    return {t: worker.build(f"{name}, {t} thread(s)", "openvino", {**options, "threads": t}) for t in THREADS}
+
+
+def calibration_feeds(tokenizer, avoid: list[dict[str, Tensor]], n: int, seed: int) -> list[dict]:
+    """`n` MR sentences (the bench's reader), one per feed as numpy arrays, none of them a
+    sentence of `avoid` (the timed and the checked batches): NNCF's calibration set."""
+    from bert_port import encode
+
+    seen = {
+        tuple(ids[mask.bool()].tolist())
+        for batch in avoid
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
     }
-    if "onnxruntime" in args.peers:
+    texts = mr_texts()
+    feeds = []
+    for i in random.Random(seed + 1).sample(range(len(texts)), len(texts)):
+        encoded = encode(tokenizer, [texts[i]])
+        if tuple(encoded["input_ids"][0].tolist()) not in seen:
+            feeds.append({name: encoded[name].numpy() for name in NAMES})
+            if len(feeds) == n:
+                break
+    return feeds
 
-        def onnx(worker):
-            from bert_port.extras import require
 
-            ref = require("transformers").BertModel.from_pretrained(str(model_dir), attn_implementation="sdpa").eval()
-            return _onnxruntime_int8(ref, workdir, worker)
+def peer_rows(
+    args, model_dir: Path, workdir: Path, report, stack: contextlib.ExitStack, calibration=None
+) -> dict[str, dict[int, Row]]:
+    """{peer name: {threads: row}} for each int8 peer asked for (`--peers`) that builds;
+    `calibration()` gives OpenVINO's calibration feeds (`calibration_feeds`)."""
+    from bert_port.extras import require
 
-        builders["ONNX Runtime int8"] = ("onnxruntime", ("onnxruntime", "onnx", "onnxscript"), onnx)
+    def reference():  # transformers' model, for the ONNX export that ONNX Runtime and OpenVINO share
+        return require("transformers").BertModel.from_pretrained(str(model_dir), attn_implementation="sdpa").eval()
+
+    onnx = ("onnx", "onnxscript")
+    builders = {
+        "CTranslate2 int8": ("ctranslate2", ("ctranslate2",), lambda w: _ctranslate2_int8(model_dir, workdir, w)),
+        "ONNX Runtime int8": (
+            "onnxruntime",
+            ("onnxruntime", *onnx),
+            lambda w: _onnxruntime_int8(reference(), workdir, w),
+        ),
+        "OpenVINO int8 (NNCF)": (
+            "openvino",
+            ("openvino", "nncf", *onnx),
+            lambda w: _openvino_int8(reference(), workdir, calibration(), w),
+        ),
+    }
     rows = {}
     for label, (peer, modules, build) in builders.items():
         if peer not in args.peers:
             continue
-        if not all(importable(m) for m in modules):
-            report.line(f"{label}: not installed ({', '.join(modules)}); pip install 'bert-port[bench]'")
+        missing = [m for m in modules if not importable(m)]
+        if missing:
+            report.line(f"{label}: not installed ({', '.join(missing)}); pip install 'bert-port[bench]'")
             continue
         try:
             rows[label] = build(PeerProcess(stack))
@@ -150,7 +198,13 @@ def section_int8(args, device: torch.device, report) -> dict[str, Any]:
     saved = torch.get_num_threads()
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-int8-")))
-        peers = peer_rows(args, path, workdir, report, stack)
+        size = QUICK_CALIBRATION if args.quick else CALIBRATION
+        calibration = functools.partial(calibration_feeds, tokenizer, batches + checked, size, args.seed)
+        peers = peer_rows(args, path, workdir, report, stack, calibration)
+        if any(name.startswith("OpenVINO") for name in peers):
+            report.line(
+                f"OpenVINO int8: nncf.quantize calibrated on {size} MR sentences, none of them timed or checked"
+            )
         expected = embeddings(fp32, checked)
         scores = {PORT_FP32: accuracy(expected, expected), PORT_INT8: accuracy(expected, embeddings(int8, checked))}
         scores.update({name: accuracy(expected, embeddings(rows[1].forward, checked)) for name, rows in peers.items()})
@@ -204,10 +258,10 @@ def _table(result: dict[str, Any], scores: dict[str, dict[str, float]], tokens: 
         ),
         rows,
     )
-    if ct2:
+    for peer in (name for name in scores if name not in (PORT_FP32, PORT_INT8)):
         for threads in THREADS:
             times = result[f"{threads}_threads"]
-            report.line(f"port int8 vs {ct2}, {threads} thread(s): {ratio(times[ct2], times[PORT_INT8]):.2f}x")
+            report.line(f"port int8 vs {peer}, {threads} thread(s): {ratio(times[peer], times[PORT_INT8]):.2f}x")
 
 
 def section_int8_classifier(args, device: torch.device, report) -> dict[str, Any]:

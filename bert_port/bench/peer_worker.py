@@ -1,11 +1,12 @@
-"""A CPU peer (CTranslate2, ONNX Runtime) in a process of its own, without torch.
+"""A CPU peer (CTranslate2, ONNX Runtime, OpenVINO) in a process of its own, without torch.
 
 Run as a script (`python peer_worker.py`, not `-m`: the package's `__init__` imports torch),
 and driven by `peers.PeerProcess` over stdin/stdout with pickled messages:
 
 - `("build", name, kind, options)` -> `("ok", None)`: load a CTranslate2 encoder
   (`kind="ctranslate2"`, options `path`, `compute_type`, `threads`) or an ONNX Runtime
-  session (`kind="onnxruntime"`, options `path`, `threads`) under `name`;
+  session (`kind="onnxruntime"`, options `path`, `threads`) or an OpenVINO compiled model
+  (`kind="openvino"`, options `path`, `threads`, `precision`, `calibration`) under `name`;
 - `("run", name, batch, want_output)` -> `("ok", last_hidden_state or None)`: one forward on
   a padded batch (a dict of int64 numpy arrays: input_ids, attention_mask, token_type_ids);
 - any failure -> `("error", text)`; end of input ends the process.
@@ -63,7 +64,47 @@ def onnxruntime_forward(path: str, threads: int):
     return lambda batch: session.run(["last_hidden_state"], batch)[0]
 
 
-BUILDERS = {"ctranslate2": ctranslate2_forward, "onnxruntime": onnxruntime_forward}
+# One NNCF quantization per ONNX file, shared by the int8 rows at each thread count.
+_QUANTIZED: dict[str, object] = {}
+
+
+def openvino_forward(path: str, threads: int, precision: str, calibration: list | None = None):
+    """OpenVINO's CPU plugin on the ONNX file at `path` (`openvino.convert_model`), at `threads`
+    threads, one stream (the LATENCY hint: one batch at a time, as the bench calls it).
+    `precision`: "fp32", "bf16", or "int8": NNCF post-training quantization
+    (`nncf.quantize`, transformer preset) calibrated on `calibration`, a list of feeds.
+    INFERENCE_PRECISION_HINT is always set: where the CPU has native bf16 the plugin picks
+    bf16 by itself, so fp32 (and int8's layers left unquantized) must ask for f32."""
+    import openvino as ov
+
+    if precision == "int8":
+        if path not in _QUANTIZED:
+            import nncf
+
+            dataset = nncf.Dataset(calibration)
+            model = ov.convert_model(path)
+            _QUANTIZED[path] = nncf.quantize(
+                model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration)
+            )
+        model = _QUANTIZED[path]
+    else:
+        model = ov.convert_model(path)
+    config = {
+        "INFERENCE_NUM_THREADS": threads,
+        "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",
+        "PERFORMANCE_HINT": "LATENCY",
+    }
+    request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
+
+    def forward(batch: dict[str, np.ndarray]) -> np.ndarray:
+        request.infer(batch)
+        # A view of the request's own buffer: `serve` pickles it before the next call.
+        return request.get_tensor("last_hidden_state").data
+
+    return forward
+
+
+BUILDERS = {"ctranslate2": ctranslate2_forward, "onnxruntime": onnxruntime_forward, "openvino": openvino_forward}
 
 
 def serve(requests: BinaryIO, replies: BinaryIO) -> None:

@@ -1,14 +1,15 @@
 """The peers a user would pick instead of the port for a fast BERT: CTranslate2 (fp32 and
-int8), ONNX Runtime (fp32, on a model exported from transformers) and sentence-transformers.
+int8), ONNX Runtime and OpenVINO (on a model exported from transformers to ONNX; OpenVINO
+fp32 and, where the CPU has native bf16, bf16) and sentence-transformers.
 
 Each builder returns rows (`harness.Row`) whose forward takes a padded batch (the dict
 `bert_port.encode` gives) and returns the last hidden state as a (B, T', H) float tensor,
 T' <= T (CTranslate2 returns only up to the longest real sequence). A peer that is not installed is left out,
 with a line saying which `pip install` brings it; the bench goes on without it.
 
-On the CPU, CTranslate2 and ONNX Runtime each run in a process of their own (`PeerProcess`,
-`peer_worker.py` says why); their rows carry a `timed` call for the bench to time, which
-leaves the hidden state in that process.
+On the CPU, CTranslate2, ONNX Runtime and OpenVINO each run in a process of their own
+(`PeerProcess`, `peer_worker.py` says why); their rows carry a `timed` call for the bench to
+time, which leaves the hidden state in that process.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def onnxruntime_rows(
     ort = require("onnxruntime")
     require("onnxscript")
     _check_worker(worker, device)
-    path = onnx_export(reference, workdir / "transformers.onnx")
+    path = onnx_file(reference, workdir)
     name = f"ONNX Runtime {ort.__version__}, fp32 (exported from transformers)"
     if worker is not None:
         return {name: worker.build(name, "onnxruntime", {"path": str(path), "threads": threads})}
@@ -155,6 +156,34 @@ def onnxruntime_rows(
         return torch.from_numpy(session.run(["last_hidden_state"], _feeds(batch))[0])
 
     return {name: Row(forward)}
+
+
+def openvino_rows(
+    reference, workdir: Path, device: torch.device, threads: int, worker: PeerProcess | None, bf16: bool = False
+) -> dict[str, Row]:
+    """OpenVINO's CPU plugin on transformers' model exported to ONNX (`onnx_file`, shared with
+    ONNX Runtime) and converted by `openvino.convert_model`, in `worker`: fp32, and with `bf16`
+    bf16 too (INFERENCE_PRECISION_HINT; peer_worker.openvino_forward says why fp32 asks for
+    f32). CPU only: OpenVINO's GPU plugin is Intel's, not CUDA."""
+    from importlib.metadata import version
+
+    require("openvino")
+    require("onnxscript")
+    if worker is None:
+        raise ValueError(f"OpenVINO rows run on the CPU only, not on {device}; use --device cpu")
+    path = onnx_file(reference, workdir)
+    rows = {}
+    for precision in ("fp32", "bf16") if bf16 else ("fp32",):
+        name = f"OpenVINO {version('openvino')}, {precision} (exported from transformers)"
+        rows[name] = worker.build(name, "openvino", {"path": str(path), "threads": threads, "precision": precision})
+    return rows
+
+
+def onnx_file(reference, workdir: Path) -> Path:
+    """transformers' model as ONNX in `workdir`, exported once (`onnx_export`) for every peer
+    that reads it."""
+    path = workdir / "transformers.onnx"
+    return path if path.is_file() else onnx_export(reference, path)
 
 
 def onnx_export(reference, path: Path) -> Path:
@@ -203,6 +232,7 @@ def sentence_transformers_rows(model_dir: Path, device: torch.device) -> dict[st
 PEERS: dict[str, tuple[str, ...]] = {
     "ctranslate2": ("ctranslate2",),
     "onnxruntime": ("onnxruntime", "onnx", "onnxscript"),
+    "openvino": ("openvino", "onnx", "onnxscript"),
     "sentence-transformers": ("sentence_transformers",),
 }
 
@@ -225,10 +255,12 @@ def peer_rows(
     threads: int,
     report,
     stack: contextlib.ExitStack,
+    bf16: bool = False,
 ) -> dict[str, Row]:
     """The rows of every peer asked for that is installed and builds; the others are
     reported (not installed: the pip install that brings them; failed: why). On the CPU,
-    CTranslate2 and ONNX Runtime each get a process of their own, ended with `stack`."""
+    CTranslate2, ONNX Runtime and OpenVINO each get a process of their own, ended with
+    `stack`. With `bf16`, OpenVINO's bf16 row too (its name holds ", bf16")."""
 
     def worker() -> PeerProcess | None:
         return PeerProcess(stack) if device.type == "cpu" else None
@@ -236,6 +268,7 @@ def peer_rows(
     builders = {
         "ctranslate2": lambda: ctranslate2_rows(model_dir, workdir, device, threads, worker()),
         "onnxruntime": lambda: onnxruntime_rows(reference, workdir, device, threads, worker()),
+        "openvino": lambda: openvino_rows(reference, workdir, device, threads, worker(), bf16),
         "sentence-transformers": lambda: sentence_transformers_rows(model_dir, device),
     }
     rows: dict[str, Row] = {}

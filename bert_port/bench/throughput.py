@@ -247,14 +247,20 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bert-port-bench-"))
         threads = torch.get_num_threads()
-        peers = peer_rows(args.peers, path, ref, Path(tmp), device, threads, report, stack)
-        rows.update(peers)
+        peers = peer_rows(args.peers, path, ref, Path(tmp), device, threads, report, stack, bf16)
+        bf16_peers = {name: row for name, row in peers.items() if ", bf16" in name}
+        rows.update({name: row for name, row in peers.items() if name not in bf16_peers})
         result = {"real_length_mean": float(lens.mean()), "padding_fraction": 1 - real}
         result["fp32"] = time_rows("MiniLM / MR, fp32", rows, reference, batches, ours.config, args, device, report)
-    for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name] + [INVARIANCE_OFF]):
-        report.line(line)
-    if bf16:
-        result["bf16"] = bf16_rows("MiniLM / MR", ours, ref, reference, batches, args, device, report, path)
+        for line in port_vs(result["fp32"], "port", [name for name in peers if "fp32" in name] + [INVARIANCE_OFF]):
+            report.line(line)
+        if bf16:
+            result["bf16"] = bf16_rows(
+                "MiniLM / MR", ours, ref, reference, batches, args, device, report, path, bf16_peers
+            )
+            for port in ("port, bf16 weights", "port, bf16 weights, batch_invariant=False", "port, bf16 autocast"):
+                for line in port_vs(result["bf16"], port, list(bf16_peers)):
+                    report.line(line)
     if args.profile:
         from .profiling import section_profile
 
@@ -282,10 +288,11 @@ def section_real_text_one_thread(args, device: torch.device, bf16: bool, report)
         torch.set_num_threads(saved)
 
 
-def bf16_rows(title, ours, ref, reference, batches, args, device, report, path=None) -> dict[str, Any]:
+def bf16_rows(title, ours, ref, reference, batches, args, device, report, path=None, peers=None) -> dict[str, Any]:
     """transformers and the port in bf16: weights loaded in bf16 (`dtype=torch.bfloat16`),
-    and fp32 weights under autocast. The parity column against transformers fp32 shows
-    transformers' own bf16 error beside the port's."""
+    and fp32 weights under autocast; `peers`' bf16 rows beside them, against transformers'
+    bf16 weights. The parity column against transformers fp32 shows transformers' own bf16
+    error beside the port's."""
     ours_bf16, ref_bf16 = _bf16_copies(ours, ref, path, device)
     bf16 = torch.bfloat16
     hf_weights, hf_autocast = "transformers, bf16 weights", "transformers, bf16 autocast"
@@ -297,6 +304,7 @@ def bf16_rows(title, ours, ref, reference, batches, args, device, report, path=N
         hf_autocast: Row(model_forward(ref, autocast=bf16), hf_autocast),
         "port, bf16 autocast": Row(model_forward(ours, autocast=bf16), hf_autocast),
     }
+    rows.update({name: Row(row.forward, hf_weights, row.timed) for name, row in (peers or {}).items()})
     if device.type == "cuda":
         rows["port, bf16 weights, varlen attention"] = Row(
             model_forward(ours_bf16, attn_implementation="varlen"), hf_weights

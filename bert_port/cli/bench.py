@@ -1,11 +1,11 @@
 """`bert-port-bench`: the port's speed against transformers.BertModel (sdpa) and the peers
-(CTranslate2, ONNX Runtime, sentence-transformers), side by side in one process, with the
-parity of every speed row beside it.
+(CTranslate2, ONNX Runtime, OpenVINO, sentence-transformers), side by side in one process,
+with the parity of every speed row beside it.
 
 Sections (`bert_port/bench/`): import time, matmul roofline, real text (all-MiniLM-L6-v2 on
 MR batches: fp32 with the peers, bf16 where the CPU has native bf16; `real1`: the same again
-at 1 thread, where the bench runs at more), int8 (the port's against
-CTranslate2's and ONNX Runtime's, at 1 and 2 threads, with accuracy columns), busy neighbour
+at 1 thread, where the bench runs at more), int8 (the port's against CTranslate2's, ONNX
+Runtime's and OpenVINO's (NNCF), at 1 and 2 threads, with accuracy columns), busy neighbour
 (the kept share of each system's throughput with one CPU held by a shell loop), fixed length
 (bert-base shape), checkpoint load time and peak RSS, the fine-tuning step; with
 `--generate`, text generation with and without the KV cache; with `--profile`, where the
@@ -26,7 +26,7 @@ import torch
 from bert_port.extras import MissingExtra
 
 SECTIONS = ("import", "roofline", "real", "real1", "int8", "int8-classifier", "busy", "fixed", "load", "finetune")
-PEERS = ("ctranslate2", "onnxruntime", "sentence-transformers")
+PEERS = ("ctranslate2", "onnxruntime", "openvino", "sentence-transformers")
 QUICK_PEERS = ("ctranslate2", "sentence-transformers")
 
 
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peers",
         default=None,
         help=f"comma-separated peers to time beside the port, or 'none' (default {','.join(PEERS)}; "
-        f"with --quick {','.join(QUICK_PEERS)}: exporting to ONNX alone takes longer than the rest)",
+        f"with --quick {','.join(QUICK_PEERS)}: exporting to ONNX, which ONNX Runtime and OpenVINO read, "
+        "takes longer than the rest)",
     )
     parser.add_argument("--compile", action="store_true", help="also time the port with its layers under torch.compile")
     parser.add_argument(
