@@ -56,7 +56,9 @@ def blocks_of(page: Path) -> list[Block]:
         before = lines[i - 1] if i > 0 else ""
         marker = SKIP.search(before)
         assert marker or "docs-check" not in before, f"{page.name}:{i}: write `<!-- docs-check: skip (why) -->`"
-        found.append(Block(page, i + 1, opening["lang"], "\n".join(lines[i + 1 : end]) + "\n", marker and marker["why"]))
+        found.append(
+            Block(page, i + 1, opening["lang"], "\n".join(lines[i + 1 : end]) + "\n", marker and marker["why"])
+        )
         i = end + 1
     return found
 
