@@ -3,8 +3,9 @@
 Each block runs on its own (a fresh `python` for a Python block, `bash -euo pipefail` for a
 shell one), so a reader can copy any one block: it must carry its own imports. The blocks of
 one page share a temporary working folder, in page order, so a later block may read what an
-earlier one wrote (`runs/sms`, `texts.csv`). They run on the bundled checkpoint and data; the
-console scripts and `python` are this interpreter's. A block that cannot run here (it installs
+earlier one wrote (`runs/sms`, `texts.csv`); `docs/`, `configs/` and `scripts/` are linked into
+it, so a block reads as if run from the checkout's root. They run on the bundled checkpoint and
+data; the console scripts and `python` are this interpreter's. A block that cannot run here (it installs
 packages, needs a GPU, a model id that is not bundled, or a run of many minutes) carries the
 line `<!-- docs-check: skip (the reason) -->` right before its opening fence, and is reported
 as skipped with that reason.
@@ -27,6 +28,7 @@ SKIP = re.compile(r"<!--\s*docs-check:\s*skip\s*\((?P<why>[^)]+)\)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 RUN_LANGS = {"python": "python", "bash": "bash"}
 BLOCK_TIMEOUT_S = 300
+CHECKOUT_FOLDERS = ("docs", "configs", "scripts")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ def test_blocks_are_found_and_every_language_is_known():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_code_block_runs(page: Path, tmp_path: Path):
+    for folder in CHECKOUT_FOLDERS:
+        (tmp_path / folder).symlink_to(ROOT / folder, target_is_directory=True)
     ran, skipped = [], []
     for block in blocks_of(page):
         if block.lang not in RUN_LANGS:
