@@ -18,18 +18,16 @@ wins, in this order:
     after it and a year after it (`21st may 2005`, `march 3`); `may` and `march` only with a day
     or a year beside them (else they are the verb and the walk);
   - NUM: any other number (`2`, `786`, `1.50`, `2nd`).
-The splits are those of the bundled `sms` dataset (`data.builtin_splits`), less the messages in
+The splits (`data.sms_ner_splits`) are those of the bundled `sms` dataset, less the messages in
 which the rules find no entity (3,253 of 4,521: 72%; as in CoNLL-2003, where most sentences hold an
 entity). On all messages, the O tags swamp the signal: the bundled recipe's run then learnt only
-NUM in the same number of steps (README, "Token classification (NER)"). A model trained here is
+NUM in the same number of steps (docs/fine-tuning.md, "Token classification (NER)"). A model trained here is
 therefore not measured on text without entities.
 """
 
 from __future__ import annotations
 
 import re
-
-from .tagged import TaggedDataset
 
 WORD = re.compile(r"[£$€]\d+(?:[.,]\d+)*|\d+(?:[.,:]\d+)+|\w+(?:'\w+)*|[^\w\s]")
 MONTHS = frozenset(
@@ -137,22 +135,3 @@ def tag_words(words: list[str]) -> list[str]:
         if _NUMBER.fullmatch(word):
             tags.mark(i, i + 1, "NUM")
     return tags.tags
-
-
-def sms_ner_splits() -> dict[str, TaggedDataset]:
-    """The split of the bundled `sms` dataset (`data.builtin_splits("sms")`), each message cut
-    into words and tagged; only the messages holding at least one entity are kept."""
-    from .data import builtin_splits
-
-    parts = {}
-    for split, sms in builtin_splits("sms").items():
-        words = [split_words(text) for text in sms.texts]  # none is empty (tests/test_token_classification.py)
-        tags = [tag_words(w) for w in words]
-        keep = [i for i, t in enumerate(tags) if set(t) != {"O"}]
-        parts[split] = TaggedDataset(
-            words=[words[i] for i in keep],
-            labels=[tags[i] for i in keep],
-            source=f"sms_ner [{split} split]",
-            rows=[sms.rows[i] for i in keep],
-        )
-    return parts

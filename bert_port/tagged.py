@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .checkpoint import atomic_write
-from .data import FORMATS, DataError, load_texts, read_records, read_text, write_texts
+from .records import FORMATS, DataError, load_texts, read_records, read_text, write_texts
 
 CONLL_SUFFIXES = (".conll", ".iob", ".iob2", ".bio")
 TEXT_SUFFIXES = (".txt",)  # bert-port-predict: plain text, one text per line

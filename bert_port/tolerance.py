@@ -1,7 +1,7 @@
 """The parity tolerance policy: when two BERTs count as computing the same thing.
 
 One table, `TOLERANCES`, read by `bert-port-parity`, by the tests (`tests/conftest.py`)
-and quoted in the README. An element passes when
+and quoted in docs/parity.md. An element passes when
 
     |ours - reference| <= atol + rtol * |reference|
 
@@ -18,7 +18,7 @@ be no further from transformers than transformers is from itself.
   `bert-port-parity` on all-MiniLM-L6-v2 (built-in inputs, up to 512 tokens) under four
   kernel families (native AVX-512, `ATEN_CPU_CAPABILITY=avx2` and `default`, oneDNN/MKL
   capped at AVX2), the port and transformers' own spread each use less than all of it (the
-  worst shares are in the README's tolerance table, which `make test-kernels` re-measures).
+  worst shares are in docs/parity.md's tolerance table, which `make test-kernels` re-measures).
   The classic port bugs (LayerNorm eps 1e-6, tanh GELU, swapped query/key, one weight
   tensor off by 1e-3) miss it by 10x or more; `tests/test_tolerance.py` plants each one.
 - bfloat16, float16: rtol is torch.testing's default for the dtype (1.6e-2 and 1e-3, about
@@ -26,7 +26,7 @@ be no further from transformers than transformers is from itself.
   a dozen layers the rounding error is absolute, set by the largest activations (O(10)
   after LayerNorm), so atol is founded on transformers' own spread in that dtype, with the
   headroom float32 has: under the same four kernel families, that spread and the port stay
-  within these bars (the README's table gives the worst shares). Half precision cannot see an
+  within these bars (docs/parity.md's table gives the worst shares). Half precision cannot see an
   error smaller than its own rounding: the float32 row is the one that proves the port
   computes the same function.
 - int8 (`torch.int8`: `quantization="int8"`, the int8 port against transformers in float32):
@@ -101,7 +101,7 @@ def tolerance_for(dtype: torch.dtype) -> Tolerance:
 # zero can turn an ulp into a step of the learning rate), so the bar is for the first
 # `TRAINING_CURVE_STEPS` steps, the issue's span. Founded as the rows above: transformers against
 # itself, its eager run against its SDPA run (both transformers), spreads as far as the port is
-# from it; both use under 5% of the bar on a tiny BERT at lr 1e-3 (the README's table;
+# from it; both use under 5% of the bar on a tiny BERT at lr 1e-3 (docs/parity.md's table;
 # tests/test_pretrain.py prints the port's).
 TRAINING_CURVE = TOLERANCES[torch.float32]
 TRAINING_CURVE_STEPS = 20

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (README, "Bad input"): every case raises a clear error of the
+"""The bad-input catalogue (docs/loading.md, "Bad input"): every case raises a clear error of the
 documented type, and nothing is half-loaded or half-written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's Layout table matches the tree: it names every module of `bert_port/` (by
+"""The Layout table of docs/architecture.md matches the tree: it names every module of `bert_port/` (by
 path, or as a member of a package row such as `bert_port/bench/`), and every path it names
 exists."""
 
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _layout_rows() -> list[str]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = page.split("## Layout", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| `")]
 
 
@@ -37,10 +37,10 @@ def test_every_module_is_in_the_layout_table_and_every_row_exists():
     packages = {p for p in named if p.endswith("/")}
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "bert_port").rglob("*.py") if p.name != "__init__.py"}
     unnamed = sorted(m for m in modules if m not in named and not any(m.startswith(pkg) for pkg in packages))
-    assert not unnamed, f"modules missing from the README's Layout table: {unnamed}"
+    assert not unnamed, f"modules missing from the Layout table of docs/architecture.md: {unnamed}"
     for path in sorted(named):
         if "*" not in path:
-            assert (ROOT / path).exists(), f"the Layout table names {path}, which does not exist"
+            assert (ROOT / path).exists(), f"docs/architecture.md's Layout table names {path}, which does not exist"
     # Modules of a package row are each named in its description, so the row says what they do.
     for row in rows:
         first, what = row.split("|")[1], row.split("|")[2]

@@ -161,7 +161,7 @@ def test_sharply_peaked_scores_give_the_pytorch_paths_values(monkeypatch):
     float32 in any summation order: scores this large are otherwise rounded by up to 1e-4,
     and softmax passes that on to the context, past the fp32 tolerance: a kernel built without
     FMA (`BERT_PORT_MARCH=x86-64`) and the PyTorch path were then each right and neither within
-    the tolerance of the other (README, "The tolerance policy")."""
+    the tolerance of the other (docs/parity.md, "The tolerance policy")."""
     heads, head_size = 6, 32
     qkv, packing = packed_qkv([120, 37, 64], heads, head_size, torch.float32, seed=3)
     qk = 2 * heads * head_size

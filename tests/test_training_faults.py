@@ -514,7 +514,7 @@ def test_ten_thousand_classes_stay_bounded(tmp_path, minilm_path):
     """One training example per class, 200 validation examples; a model with hidden size 8.
     Before the fix every evaluation kept a K x K confusion matrix in the history, so memory,
     metrics.json and the training state grew as K^2; now they grow as K. The test prints
-    the peak memory and file sizes it measures (the README records them)."""
+    the peak memory and file sizes it measures (docs/loading.md records them)."""
     K = 10_000
     ckpt = _checkpoint(
         tmp_path / "ckpt",
