@@ -1,19 +1,12 @@
-"""A thread count that follows the CPUs other processes leave free (`--threads auto`).
+"""A thread count that follows the CPUs other processes leave free (`--threads auto`, the default).
 
-torch runs every op over a fixed pool of intra-op threads and waits at the end of each
-parallel region for the slowest. When another process holds one of the cores, the thread
-on that core gets only part of it and every region waits for it: on the 2-core Xeon of the
-README ("Speed", "Busy neighbour"), MiniLM at 2 threads with one core held by a shell loop
-ran 2.7x slower than at 1 thread. `ThreadGovernor` reads how much CPU time the other
-processes took on the CPUs this process may use (/proc/stat less this process's own time,
-`os.times`) and sets the thread count to the cores they left: a core counts as taken when
-they used more than `TAKEN` of it over the last interval.
-
-The thread count changes between batches, never inside one. On the AMX Xeon of the README
-MiniLM's outputs have the same bits at 1 and 2 threads; that is not known for every CPU (a
-GEMM may split its reduction at one count and not at the other), so a test checks it on each
-CPU the suite runs on (tests/test_threads.py): `auto` is the default of the commands and of
-`SentenceEncoder`; pass a number where runs must repeat bit for bit on a CPU that test fails on.
+torch waits at the end of each parallel region for its slowest thread: when another process
+holds one of the cores, every region waits for the thread on it. `ThreadGovernor` reads how much
+CPU time the other processes took on this process's CPUs (/proc/stat less this process's own,
+`os.times`) and sets the thread count, between batches, to the cores they left; `governed` steps
+it before each forward of a model. Why it is the default, and when to fix a count instead:
+docs/architecture.md ("Thread governor"); tests/test_threads.py checks that the count does not
+change the bits on the CPU it runs on.
 """
 
 from __future__ import annotations

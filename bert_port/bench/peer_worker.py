@@ -16,7 +16,7 @@ loads it globally first), and its encoder thread starts a second OpenMP team in 
 runtime. With more OpenMP threads than CPUs, libgomp stops spinning and parks every thread on
 a futex between parallel regions, for torch's team too: the port's passes after one
 CTranslate2 call were measured slower, with many times the context switches (the figures are
-in the README's "Speed" section), which no user running one library sees. So each peer runs in a
+in docs/speed.md), which no user running one library sees. So each peer runs in a
 process of its own, as its users run it. (Threads that spin for a moment after a call,
 libgomp's or ONNX Runtime's, still take the cores from the next row, whichever process it runs
 in; with the rows in a shuffled order, that falls on every row.)

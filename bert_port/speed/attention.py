@@ -15,7 +15,7 @@ from ..packing import Packing, pad, unpad
 from . import kernels
 
 # Sequences at least this long take the CPU flash kernel in inference: there it beats two `bmm`
-# and a softmax (README, "Speed").
+# and a softmax (docs/speed.md).
 FLASH_MIN_LEN = 128
 
 
@@ -27,7 +27,7 @@ def packed_attention(qkv: Tensor, packing: Packing, num_heads: int, scale: float
     (no copies in, one concatenation out). Against the padded layout this skips the
     (T^2 - L^2) masked scores of every sequence and the pad and unpad copies of q, k, v and
     the context in every layer. Which kernel, chosen by measuring each on MR batches (about
-    half padding) with MiniLM on CPU (the timings are in the README's "Speed" section):
+    half padding) with MiniLM on CPU (the timings are in docs/speed.md):
 
     - fp32 and bf16 inference, where the C kernels are installed: the sequences shorter than
       `FLASH_MIN_LEN` all in one call of a C kernel (`csrc/attention.c`, the op

@@ -23,7 +23,7 @@ from . import kernels
 # (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
 # command's memory by 200 MiB over 20,000 texts. Row counts in steps of FP32_ROW_STEP (and
 # bf16's one block shape) keep those kernels few; zero rows cost at most a step a call. 32: the
-# fastest of 64, 32, 16 and 8 on the bench's MR batches (README, "What moved").
+# fastest of 64, 32, 16 and 8 on the bench's MR batches (docs/speed.md).
 FP32_ROW_STEP = 32
 BF16_ROW_BLOCK = 128  # of 32, 64, 128 and 256, the fastest on MR batches (about 900 rows)
 AMX_ROW_STEP = 32  # rows of the AMX kernel's blocks (csrc/amx_linear.c)
@@ -111,7 +111,7 @@ def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: 
 
 
 # Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
-# ATen's bits on the AVX-512 Xeon (README, "Speed"); other activations run after the GEMM, and so
+# ATen's bits on the AVX-512 Xeon (docs/architecture.md); other activations run after the GEMM, and so
 # does the GELU where oneDNN runs AVX2 kernels (`_onednn_gelu_fused`).
 POST_OPS: dict[Callable, tuple[str, str]] = {F.gelu: ("gelu", "none"), F.relu: ("relu", "")}
 
@@ -124,7 +124,7 @@ def _onednn_gelu_fused() -> bool:
     on 944 rows with oneDNN capped at AVX2 on the AMX Xeon took 13.8 ms fused against 11.8 ms for
     the GEMM and ATen's in-place GELU after it at 1 thread (7.0 against 5.8 at 2), the same bits in
     fp32 (in bf16 the output is rounded before the GELU, as `F.linear` and `F.gelu` do); with
-    AVX-512 kernels fused was 2% faster (README, "What moved")."""
+    AVX-512 kernels fused was 2% faster (docs/speed.md)."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
     avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= kernels.cpu_flags()
     return avx512_core and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
