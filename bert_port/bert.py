@@ -40,9 +40,9 @@ def prepare_mask(
 ) -> Tensor | None:
     """The 4-D mask the attention of (B, T, H) `hidden_states` uses: boolean for SDPA,
     additive for eager (which `output_attentions` runs), causal for a decoder, over the
-    `past_length` cached positions and the T new ones. A mask prepared already (4-D) passes
-    through, and so does a swapped-in attention's own (`bert_port.speed`'s packing)."""
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() == 4):
+    `past_length` cached positions and the T new ones. A swapped-in attention's own mask
+    (`bert_port.speed`'s packing) passes through."""
+    if attention_mask is not None and not isinstance(attention_mask, Tensor):
         return attention_mask
     return get_extended_attention_mask(
         attention_mask,
@@ -175,8 +175,9 @@ class BertLayer(nn.Module):
         mask, or a 4-D mask already prepared by `get_extended_attention_mask`. A decoder
         (`config.is_decoder`) adds the causal pattern to None, 2-D and 3-D masks.
         """
-        past = cache.length if cache is not None else 0
-        attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
+        if attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() < 4):
+            past = cache.length if cache is not None else 0
+            attention_mask = prepare_mask(self.config, attention_mask, hidden_states, output_attentions, past)
         attn_input = _norm(self.pre_attention_layer_norm, hidden_states)  # pre-LN; else hidden_states itself
         attn_value, probs = self.self_attention(attn_input, attention_mask, output_attentions, cache)
         attention_output = self.add_norm(
