@@ -21,7 +21,7 @@ from . import kernels
 
 # oneDNN (through torch's ideep) keeps a compiled kernel per GEMM shape, up to 1024 of them
 # (LRU_CACHE_CAPACITY): a corpus of unpadded batches, one row count each, grew the embedding
-# command's memory by 200 MiB over 20,000 texts. Row counts in steps of FP32_ROW_STEP (and
+# command's memory over a corpus (docs/speed.md). Row counts in steps of FP32_ROW_STEP (and
 # bf16's one block shape) keep those kernels few; zero rows cost at most a step a call. 32: the
 # fastest of 64, 32, 16 and 8 on the bench's MR batches (docs/speed.md).
 FP32_ROW_STEP = 32
@@ -120,11 +120,9 @@ POST_OPS: dict[Callable, tuple[str, str]] = {F.gelu: ("gelu", "none"), F.relu: (
 def _onednn_gelu_fused() -> bool:
     """Whether oneDNN's GEMMs take the GELU into their epilogue: where its kernels are AVX-512
     ones (the CPU has oneDNN's avx512_core, AVX-512 F, BW, VL and DQ, and ONEDNN_MAX_CPU_ISA, read
-    once as oneDNN reads it, does not cap it below). Its AVX2 erf post-op is slow: MiniLM's FFN-up
-    on 944 rows with oneDNN capped at AVX2 on the AMX Xeon took 13.8 ms fused against 11.8 ms for
-    the GEMM and ATen's in-place GELU after it at 1 thread (7.0 against 5.8 at 2), the same bits in
-    fp32 (in bf16 the output is rounded before the GELU, as `F.linear` and `F.gelu` do); with
-    AVX-512 kernels fused was 2% faster (docs/speed.md)."""
+    once as oneDNN reads it, does not cap it below). Its AVX2 erf post-op is slower than the GEMM
+    followed by ATen's in-place GELU, which gives the same bits in fp32 (in bf16 the output is
+    rounded before the GELU, as `F.linear` and `F.gelu` do); the measurements are in docs/speed.md."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
     avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= kernels.cpu_flags()
     return avx512_core and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))

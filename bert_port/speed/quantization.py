@@ -1,68 +1,10 @@
 """int8 inference on the CPU: `quantize(model, tokenizer)`, which `from_pretrained(path,
 quantization="int8")` calls, and `Int8Linear`, the layer it puts in place of the encoder's
-dense layers.
-
-What is int8. In every `BertLayer`, the fused query-key-value projection (and, for the padded
-path, query, key and value each), `attention_dense`, `interm_dense` and `out_dense`: all of
-the encoder's matmuls but attention's own two. Embeddings, LayerNorms, attention (scores,
-softmax, context), the pooler and the task heads stay float32: they are a small share of
-the time, and the heads are where a user reads the result; so do the FFN's few outlier
-channels (below).
-
-The scheme, per `Int8Linear` (M outputs, K inputs, N rows):
-- weights: symmetric int8 per output channel, scale max|W_m| / 127, quantized once;
-- activations: per row (token), 7 bits, scaled at each call by the row's own range, so a
-  row's result never depends on the other rows of the batch (batch invariance holds, as in
-  float32). `out_dense` reads the activation function's output, which has a known minimum
-  (GELU: -0.17, `ACTIVATION_FLOORS`): its rows are unsigned, x - floor in 0..127 steps of
-  max_row(x - floor) / 127; the other rows are signed, -63..63 steps of max_row|x| / 63;
-- y = step_row * sum_k q_k W_int8[m, k] * w_scale_m + bias': the int32 product is exact, the
-  rest float32, and the shifts below are folded into bias' (x W^T = (x - c) W^T + W c);
-- the two projections fed by a LayerNorm (the fused QKV and `interm_dense`) quantize
-  (x - c) / s instead of x: c_k is channel k's mean and s_k SmoothQuant's divisor (Xiao et
-  al., 2023), a_k^0.5 / max_m|W[m, k]|^0.5 with a_k its largest deviation from c_k, which
-  moves the LayerNorm outputs' outlier channels into the weights, where the per-channel
-  scales absorb them (W's column k is multiplied by s_k). Both come from one float32 pass over
-  `CALIBRATION_TEXTS` at quantization. (Post-LN, the LayerNorm's output is also the
-  residual, so they cannot be folded into the LayerNorm.)
-- `out_dense` keeps the FFN's `FLOAT_OUTLIERS` channels with the largest calibrated
-  activations in float32 (LLM.int8()'s decomposition, Dettmers et al., 2022): a few GELU
-  channels reach several times the others' largest values, and would set the step of every
-  row they fire in. `interm_dense`'s outputs are reordered so that those channels come last (GELU
-  acts on each channel alone, so this is exact), and out_dense adds their (N, 8) x (8, M)
-  float32 product to the int8 one.
-
-Why these choices (the measurements are in docs/int8.md):
-- The kernel: oneDNN's int8 matmul through torch's own ops (`torch.ops.onednn.qlinear_prepack`
-  and `qlinear_pointwise`, what torch.compile's x86 backend lowers int8 linears to), called
-  eagerly on the packed rows; no extra package. torchao's `Int8DynamicActivationInt8WeightConfig`
-  computes a per-token scheme too, but eagerly through `torch._int_mm`, which has no fast CPU
-  kernel (far slower than the float32 matmul); only under torch.compile does it reach
-  oneDNN, and the packed path runs outside compiled regions. torch's dynamic quantized Linear
-  (fbgemm, `torch.ao.nn.quantized.dynamic`) scales a whole batch's activations by one number,
-  which is what costs its accuracy, and needs the quantized-tensor API torch deprecates.
-- The glue in C (`csrc/int8_rows.c`, the ops `kernels.quantize_rows` and `dequantize_rows`): quantizing a row (its range,
-  then its int8 values) and dequantizing one (step, bias, outlier channels, residual) are each
-  one pass over the row while it sits in L1. As PyTorch ops they are 3-5 passes over the whole
-  (N, K) or (N, M) tensor each, which took twice the int8 GEMMs' own time. Without the kernels
-  installed the same scheme runs as those PyTorch ops (`BERT_PORT_KERNELS=0` chooses them); the two agree
-  but where a value sits on a rounding boundary, and on both a NaN makes its row NaN
-  (tests/test_native.py).
-- 7-bit activations: without VNNI (AVX2 CPUs), the int8 dot product (`vpmaddubsw`) sums two
-  u8 x s8 products into a saturating int16: 127 * 127 * 2 < 2^15 never saturates, 255 * 127 * 2
-  can, and there full 8-bit activations were measured far off the exact product. One scheme
-  on every x86 CPU keeps the int8 values and their exact int32 products the same on all.
-- The float32 outlier channels: without them a classifier fine-tuned on MR lost more than the
-  bar of test accuracy in int8, with them it keeps it, at no measurable cost in speed.
-- Shift and smoothing where a LayerNorm feeds the projection only: on `out_dense` a
-  calibrated centre made things much worse (GELU outputs are heavy-tailed), and smoothing
-  `attention_dense` and `out_dense` slightly worse; the activation floor does better there.
-  A per-row minimum (asymmetric rows) was as accurate, but its (N, M) correction term, one
-  more pass over every output, cost much of the int8 speed-up.
-
-An int8 model is for inference on the CPU in float32 activations: training, CUDA, other
-dtypes and saving are refused with errors that say what to do (fine-tune and save the
-float32 model; quantize when loading).
+dense layers: int8 weights per output channel, 7-bit activations per row (so a row's result
+never depends on the others), SmoothQuant-style shift and smoothing where a LayerNorm feeds the
+projection, and the FFN's few outlier channels kept in float32. The scheme, and why each
+choice, with its measurements: docs/int8.md. An int8 model runs inference on the CPU only:
+training, CUDA, other dtypes and saving are refused with errors that say what to do.
 """
 
 from __future__ import annotations
@@ -82,8 +24,8 @@ ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation
 WEIGHT_LEVELS = 127  # symmetric int8
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
 FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
-# oneDNN builds an int8 kernel for every row count it meets (about 9 ms for 2000 rows of MiniLM's
-# FFN on the AMX Xeon, against 1.4 ms for the GEMM itself): packed batches come in steps of this many
+# oneDNN builds an int8 kernel for every row count it meets (several times the GEMM's own time,
+# docs/int8.md): packed batches come in steps of this many
 # rows (the fp32 ones in steps of speed.gemm.FP32_ROW_STEP), so that a corpus of batches reuses a few.
 INT8_ROW_STEP = 64
 
