@@ -73,7 +73,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", tr
     for dtype in float32 bfloat16 float16; do
         $py scripts/parity_check.py --device "$device" --dtype "$dtype" --no-progress 2>&1 | tee -a "$out/parity.log" || status=1
     done
-    $py scripts/benchmark.py --device "$device" --skip import,real1,int8,int8-classifier,busy,load,finetune --peers sentence-transformers \
+    $py scripts/benchmark.py --device "$device" --skip import,real1,sorted,int8,int8-classifier,busy,load,finetune --peers sentence-transformers \
         --reps "${REPS:-5}" --markdown "$out/bench.md" --json "$out/bench.json" 2>&1 | tail -n 80 | tee "$out/bench.log" || status=1
     exit $status
     ;;

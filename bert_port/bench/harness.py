@@ -228,13 +228,21 @@ def mr_texts() -> list[str]:
     return load_mr().texts
 
 
-def mr_batches(tokenizer, n: int, batch_size: int, seed: int, device: torch.device) -> list[dict[str, Tensor]]:
-    """`n` batches of `batch_size` MR sentences drawn at random, padded to each batch's longest."""
+def mr_batches(
+    tokenizer, n: int, batch_size: int, seed: int, device: torch.device, sort_lengths: bool = False
+) -> list[dict[str, Tensor]]:
+    """`n` batches of `batch_size` MR sentences drawn at random, padded to each batch's longest;
+    with `sort_lengths`, the same sentences batched by token length (as an embedding job sorts
+    them: little padding left)."""
     from bert_port import encode
 
     texts = mr_texts()
     rng = random.Random(seed)
-    return [{k: v.to(device) for k, v in encode(tokenizer, rng.sample(texts, batch_size)).items()} for _ in range(n)]
+    drawn = [rng.sample(texts, batch_size) for _ in range(n)]
+    if sort_lengths:
+        flat = sorted((t for batch in drawn for t in batch), key=lambda t: len(tokenizer.encode(t).ids))
+        drawn = [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
+    return [{k: v.to(device) for k, v in encode(tokenizer, batch).items()} for batch in drawn]
 
 
 # -- fresh processes ----------------------------------------------------------------------

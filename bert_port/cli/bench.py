@@ -25,7 +25,7 @@ import torch
 
 from bert_port.extras import MissingExtra
 
-SECTIONS = ("import", "roofline", "real", "real1", "int8", "int8-classifier", "busy", "fixed", "load", "finetune")
+SECTIONS = ("import", "roofline", "real", "real1", "sorted", "int8", "int8-classifier", "busy", "fixed", "load", "finetune")
 PEERS = ("ctranslate2", "onnxruntime", "openvino", "sentence-transformers")
 QUICK_PEERS = ("ctranslate2", "sentence-transformers")
 
@@ -171,6 +171,7 @@ def _sections(args, device, bf16, report) -> dict[str, Any]:
         "roofline": lambda: throughput.section_roofline(device, args.quick, bf16, report),
         "real": lambda: throughput.section_real_text(args, device, bf16, report),
         "real1": lambda: throughput.section_real_text_one_thread(args, device, bf16, report),
+        "sorted": lambda: throughput.section_sorted(args, device, bf16, report),
         "int8": lambda: int8.section_int8(args, device, report),
         "int8-classifier": lambda: int8.section_int8_classifier(args, device, report),
         "busy": lambda: busy.section_busy(args, device, bf16, report),
