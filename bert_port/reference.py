@@ -55,7 +55,8 @@ def hf_twin(model: nn.Module, attn_implementation: str = "sdpa") -> nn.Module:
     initialisation, thrown away here, must not change the dropout masks that follow."""
     transformers = _transformers()
     cls = getattr(transformers, model.hf_architecture)
-    bare = model.hf_architecture.endswith("Model") and model.config.family.pooler  # DistilBERT, ELECTRA: none
+    # A bare encoder (no head) says whether it has a pooler; DistilBERT's and ELECTRA's never do.
+    bare = hasattr(model, "add_pooling_layer") and model.config.family.pooler
     kwargs = {"add_pooling_layer": model.add_pooling_layer} if bare else {}
     with torch.random.fork_rng(devices=[]):
         twin = cls(hf_config(model.config), **kwargs)

@@ -25,7 +25,19 @@ import torch
 
 from bert_port.extras import MissingExtra
 
-SECTIONS = ("import", "roofline", "real", "real1", "sorted", "int8", "int8-classifier", "busy", "fixed", "load", "finetune")
+SECTIONS = (
+    "import",
+    "roofline",
+    "real",
+    "real1",
+    "sorted",
+    "int8",
+    "int8-classifier",
+    "busy",
+    "fixed",
+    "load",
+    "finetune",
+)
 PEERS = ("ctranslate2", "onnxruntime", "openvino", "sentence-transformers")
 QUICK_PEERS = ("ctranslate2", "sentence-transformers")
 
