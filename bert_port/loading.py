@@ -104,13 +104,10 @@ def from_pretrained(
     local_files_only: accepted for transformers' calls and ignored (every load is local).
     output_loading_info: also return `model.loading_info` (what was renamed, dropped,
         skipped or newly initialised), as transformers' flag of the same name does.
-    quantization: "int8" makes the encoder's dense layers int8 for inference on the CPU
-        (`bert_port.speed.quantize`: float32 weights, calibrated on built-in sentences with the
-        checkpoint's tokenizer); None (default) keeps floating point.
-    optimize: swap in the fast modules (`bert_port.speed.optimize`); False gives the plain
-        model of bert.py. Default: True, but for `attn_implementation="eager"`, which asks for
-        transformers' exact path (the plain model, bit for bit transformers' eager one).
-    batch_invariant: with `optimize`, a text's outputs are the same bits alone or in any batch.
+    quantization: "int8" makes the encoder's dense layers int8 for CPU inference (`speed.quantize`,
+        calibrated with the checkpoint's tokenizer); None (default) keeps floating point.
+    optimize, batch_invariant: swap in the fast modules (`speed.optimize`), batch-invariant or not;
+        `optimize=False`, and by default eager attention, give the plain model of bert.py.
     Other keyword arguments override config fields (e.g. `attn_implementation="eager"`,
     `num_labels=3`, or any field the checkpoint's config.json has) or go to the
     constructor (e.g. `add_pooling_layer=False`); anything else is a `TypeError`
@@ -129,6 +126,13 @@ def from_pretrained(
     model = build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=dtype, device=device, check_finite=check_finite
     )
+    _apply_speed(model, optimize, batch_invariant, quantization)
+    return (model, model.loading_info) if output_loading_info else model
+
+
+def _apply_speed(model: BertPreTrainedModel, optimize: bool | None, batch_invariant: bool, quantization) -> None:
+    """`from_pretrained`'s speed layer: `speed.optimize` unless the plain model is asked for
+    (`optimize=False`, or by default eager attention, transformers' exact path), then int8."""
     if optimize is None:
         optimize = model.config.attn_implementation != "eager"
     if optimize or quantization is not None:
@@ -137,7 +141,6 @@ def from_pretrained(
         speed.optimize(model, batch_invariant=batch_invariant)
         if quantization is not None:
             speed.quantization.quantize_for_loading(model)
-    return (model, model.loading_info) if output_loading_info else model
 
 
 def _read_snapshot(cls, path, config_file, revision, cache_dir, config, kwargs):

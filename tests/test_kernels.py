@@ -39,13 +39,20 @@ def test_the_variant_is_the_best_the_cpu_and_the_caps_allow():
 
 @needs_kernels
 def test_the_kernels_are_torch_ops_with_fake_kernels():
-    """torch.compile and torch.export see an op: its schema and fake kernel agree with the real one."""
+    """torch.compile and torch.export see an op: its schema and fake kernel agree with the real one
+    (opcheck raises where they do not), and a fake tensor gets the real output's shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     torch.manual_seed(0)
     qkv = torch.randn(20, 3 * 32)
     starts, lens = torch.tensor([0, 7]), torch.tensor([7, 13])
-    torch.library.opcheck(torch.ops.bert_port.packed_attention.default, (qkv, starts, lens, 2, 0.25))
-    rows = torch.randn(9, 40)
-    torch.library.opcheck(torch.ops.bert_port.quantize_rows.default, (rows, None, None, None))
+    args = (qkv, starts, lens, 2, 0.25)
+    torch.library.opcheck(torch.ops.bert_port.packed_attention.default, args)
+    torch.library.opcheck(torch.ops.bert_port.quantize_rows.default, (torch.randn(9, 40), None, None, None))
+    real = torch.ops.bert_port.packed_attention(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.bert_port.packed_attention(*(mode.from_tensor(t) for t in args[:3]), *args[3:])
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype) == ((20, 32), torch.float32)
 
 
 @needs_kernels

@@ -39,6 +39,17 @@ def thread_count(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """`--threads`, as the commands that run a model over many batches take it."""
+    parser.add_argument(
+        "--threads",
+        type=thread_count,
+        default="auto",
+        help="CPU threads: a number, or 'auto' (default) to follow the cores other processes leave free, "
+        "set before each batch (bert_port.threads)",
+    )
+
+
 def settings_parser(prog: str, description: str, settings: type, file_flag: str, file_help: str):
     """The parser of a training command: `file_flag` names a settings file (JSON, keys as the
     flags; flags win), then one flag per field of `settings` (`add_settings_flags`)."""

@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from bert_port.cli import disk_full, disk_full_line, positive_int, thread_count
+from bert_port.cli import add_threads_flag, disk_full, disk_full_line, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="int8: the encoder's dense layers in int8 (CPU only; bert_port.speed); default float",
     )
-    p.add_argument(
-        "--threads",
-        type=thread_count,
-        default="auto",
-        help="CPU threads: a number, or 'auto' (default) to follow the cores other processes leave free "
-        "(bert_port.threads)",
-    )
+    add_threads_flag(p)
     p.add_argument("--overwrite", action="store_true", help="replace another run's embeddings in OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -36,7 +36,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bert_port.cli import disk_full, disk_full_line, positive_int, thread_count
+from bert_port.cli import add_threads_flag, disk_full, disk_full_line, positive_int
 from bert_port.threads import governed
 
 ACTIVATIONS = ("auto", "none", "sigmoid")
@@ -74,13 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="column holding the second segment (default: the training run's, if it had one)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
-    parser.add_argument(
-        "--threads",
-        type=thread_count,
-        default="auto",
-        help="CPU threads: a number, or 'auto' (default) to follow the cores other processes leave free, "
-        "set before each batch (bert_port.threads)",
-    )
+    add_threads_flag(parser)
     parser.add_argument(
         "--max-length",
         type=positive_int,
@@ -138,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 def _prepare(args: argparse.Namespace) -> dict:
     """Every check before any work: the device, the output path, the input, the model's
     label map and length; then the model and tokenizer. Returns what `_run` needs."""
-    from bert_port.checkpoint import locate_checkpoint
     from bert_port.classifier import BertForSequenceClassification
-    from bert_port.config import BertConfig, ConfigError
     from bert_port.data import DataError, load_texts
     from bert_port.devices import resolve_device
     from bert_port.problem import ProblemType, config_label_names
@@ -159,16 +151,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     text_column = args.text_column or trained.get("text_column") or "text"
     pair_column = args.text_pair_column or trained.get("text_pair_column")
     dataset = load_texts(args.input, text_column, None, pair_column, keep_records=True)
-    config_file = locate_checkpoint(args.model).config_file
-    config = BertConfig.from_json_file(config_file)
-    if not config.id2label and _is_sequence_classifier(config):
-        # transformers 5 writes no id2label for its default labels; its pipeline reads them as LABEL_i.
-        config.id2label = {i: f"LABEL_{i}" for i in range(config.num_labels)}
-    if not config.id2label:
-        raise ConfigError(
-            f"{args.model} has no id2label in its config.json: it is not a fine-tuned classifier. "
-            "Pass the output directory of bert-port-finetune"
-        )
+    config, config_file = _classifier_config(args.model)
     problem = ProblemType.of_config(config)
     names = config_label_names(config, str(config_file))
     clash = sorted({k for r in dataset.records for k in r} & set(problem.output_columns(names)))
@@ -198,6 +181,24 @@ def _prepare(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+def _classifier_config(model_dir: str):
+    """The classifier's config and its file; default labels (LABEL_i) where transformers 5 wrote
+    none, as its pipeline reads them; a `ConfigError` for a model that is no classifier."""
+    from bert_port.checkpoint import locate_checkpoint
+    from bert_port.config import BertConfig, ConfigError
+
+    config_file = locate_checkpoint(model_dir).config_file
+    config = BertConfig.from_json_file(config_file)
+    if not config.id2label and _is_sequence_classifier(config):
+        config.id2label = {i: f"LABEL_{i}" for i in range(config.num_labels)}
+    if not config.id2label:
+        raise ConfigError(
+            f"{model_dir} has no id2label in its config.json: it is not a fine-tuned classifier. "
+            "Pass the output directory of bert-port-finetune"
+        )
+    return config, config_file
 
 
 def _is_sequence_classifier(config) -> bool:
