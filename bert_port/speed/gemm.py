@@ -89,6 +89,8 @@ def row_multiple(x: Tensor, weight: Tensor, batch_invariant: bool = True) -> int
         return 1
     if dtype == torch.bfloat16 and _amx_runs(x.shape[1], weight.shape[0]):
         return AMX_ROW_STEP
+    if dtype == torch.float32 and _f32_runs(weight.shape[0]):
+        return 1  # any row count: the kernel keeps no per-shape state
     return BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else FP32_ROW_STEP
 
 
@@ -97,17 +99,25 @@ def _amx_runs(k: int, m: int) -> bool:
     return k > 0 and m > 0 and k % 32 == 0 and m % 32 == 0 and kernels.amx_ready()
 
 
-def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: Tensor | None) -> bool:
-    """Whether this call runs on the AMX kernel: x (N, k) matching the weight, every tensor on
-    the CPU, a residual of exactly (N, m); anything else goes to oneDNN, whose checks and errors
-    then apply."""
-    k = sources[0].shape[1]
+def _f32_runs(m: int) -> bool:
+    """Whether fp32 GEMMs of m outputs run on the AVX2 kernel: it takes m in 16s."""
+    return m > 0 and m % 16 == 0 and kernels.f32_linear_ready()
+
+
+def _on_cpu(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: Tensor | None) -> bool:
+    """Whether a call can run on one of our kernels: x (N, k) matching the weight, every tensor
+    on the CPU, a residual of exactly (N, m); anything else goes to oneDNN, whose checks and
+    errors then apply."""
     return (
-        x.shape[1] == k
+        x.shape[1] == sources[0].shape[1]
         and all(t.device.type == "cpu" for t in sources if t is not None)
         and (residual is None or (residual.shape == (x.shape[0], m) and residual.device.type == "cpu"))
-        and _amx_runs(k, m)
     )
+
+
+def _amx_takes(x: Tensor, sources: tuple[Tensor | None, ...], m: int, residual: Tensor | None) -> bool:
+    """Whether this call runs on the AMX kernel (`_on_cpu`, and k and m in its tiles' 32s)."""
+    return _on_cpu(x, sources, m, residual) and _amx_runs(sources[0].shape[1], m)
 
 
 # Activations oneDNN computes in a GEMM's epilogue: (post-op, algorithm). In fp32 the GELU gives
@@ -126,6 +136,10 @@ def _onednn_gelu_fused() -> bool:
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
     avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= kernels.cpu_flags()
     return avx512_core and (cap == "ALL" or cap.startswith(("AVX512", "AVX10")))
+
+
+# The activations after our fp32 kernel, in place: ATen's, so the bits are F.gelu's and F.relu's.
+INPLACE: dict[Callable, Callable] = {F.gelu: torch.ops.aten.gelu_, F.relu: torch.ops.aten.relu_}
 
 
 def epilogue(y: Tensor, activation: Callable | None, residual: Tensor | None) -> Tensor:
@@ -184,12 +198,16 @@ def _linear(x, layers, owner, activation, residual, batch_invariant) -> Tensor:
 
     m = sum(layer.weight.shape[0] for layer in layers) if stacked else sources[0].shape[0]
     amx = dtype == torch.bfloat16 and _amx_takes(x, sources, m, residual)
-    kernel = "amx" if amx else "onednn"
+    f32 = dtype == torch.float32 and _on_cpu(x, sources, m, residual) and _f32_runs(m)
+    kernel = "amx" if amx else "f32" if f32 else "onednn"
     build = functools.partial(_packed, layers, stacked, dtype, kernel)
     packed, bias = _cached(owner, tuple(t for t in sources if t is not None), build, dtype, kernel)
     post_op = POST_OPS.get(activation, ("none", ""))
     if amx:
         return _amx_linear(x.to(dtype), packed, m, bias, post_op[0], residual)
+    if f32:
+        y = kernels.f32_linear(_rows(x), packed, m, bias, None if residual is None else _rows(residual))
+        return y if activation is None else INPLACE[activation](y)
     block = BF16_ROW_BLOCK if dtype == torch.bfloat16 and batch_invariant else None
     if activation is F.gelu and not _onednn_gelu_fused():
         return torch.ops.aten.gelu_(_onednn_linear(x.to(dtype), packed, bias, ("none", ""), None, block))
@@ -203,6 +221,8 @@ def _packed(layers, stacked: bool, dtype: torch.dtype, kernel: str) -> tuple[Ten
     bias = None if bias is None else bias.detach().to(dtype)
     if kernel == "amx":
         return _amx_pack(weight.detach().to(dtype)), None if bias is None else bias.float()
+    if kernel == "f32":
+        return _f32_pack(weight.detach()), None if bias is None else bias.contiguous()
     return _pack(weight.to(dtype)), bias
 
 
@@ -229,6 +249,13 @@ def _amx_pack(weight: Tensor) -> Tensor:
     16 rows of 16 (output, pair of consecutive inputs), as TDPBF16PS reads them."""
     m, k = weight.shape
     return weight.reshape(m // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _f32_pack(weight: Tensor) -> Tensor:
+    """A (m, k) fp32 weight as the AVX2 kernel reads it: for every 16 outputs, for every input,
+    their 16 weights."""
+    m, k = weight.shape
+    return weight.reshape(m // 16, 16, k).permute(0, 2, 1).contiguous()
 
 
 def _amx_linear(

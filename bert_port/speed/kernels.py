@@ -7,7 +7,8 @@ with a known output, and the checks on its tensors live here, not in the callers
 
 - `bert_port::packed_attention`: every short sequence of a packed batch in one call (attention.c);
 - `bert_port::quantize_rows`, `bert_port::dequantize_rows`: the per-row glue of int8 (int8_rows.c);
-- `bert_port::amx_linear`: bf16 GEMMs on AMX tiles (amx_linear.c), where the CPU has AMX.
+- `bert_port::amx_linear`: bf16 GEMMs on AMX tiles (amx_linear.c), where the CPU has AMX;
+- `bert_port::f32_linear`: fp32 GEMMs on AVX2 (f32_linear.c), in the variants `F32_VARIANTS` names.
 
 Nothing is compiled or loaded from outside the installed package. Where no variant is installed
 (a pure-Python install, `BERT_PORT_KERNELS=0`), `available()` is False, a warning says so once,
@@ -108,6 +109,18 @@ def amx_ready() -> bool:
     return library is not None and library.variant == "amx" and library.amx_ready()
 
 
+# The variants whose fp32 dense layers run on f32_linear.c instead of oneDNN: where it measured
+# faster (docs/architecture.md). The AVX-512 and AMX variants keep oneDNN's AVX-512 GEMMs.
+F32_VARIANTS = {"avx2"}
+
+
+@functools.cache
+def f32_linear_ready() -> bool:
+    """Whether fp32 dense layers run on the AVX2 kernel here."""
+    library = _library()
+    return library is not None and library.variant in F32_VARIANTS and library.f32_linear_ready()
+
+
 def _address(t: Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -202,4 +215,31 @@ def amx_linear(
 
 @amx_linear.register_fake
 def _(x, packed, m, bias, activation, residual, columns) -> Tensor:
+    return x.new_empty(x.shape[0], m)
+
+
+@torch.library.custom_op("bert_port::f32_linear", mutates_args=())
+def f32_linear(x: Tensor, packed: Tensor, m: int, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+    """float32 rows x (N, K) times the packed weight of m outputs (m a multiple of 16), + bias (m),
+    + residual (N, m) -> (N, m) float32."""
+    _check_rows("f32_linear", x, (torch.float32,))
+    if residual is not None:
+        _check_rows("f32_linear", residual, (torch.float32,))
+    n, k = x.shape
+    fits = packed.is_contiguous() and packed.dtype == torch.float32 and packed.numel() == m * k
+    fits = fits and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == m))
+    if not fits or (residual is not None and residual.shape != (n, m)):
+        raise ValueError(f"f32_linear: rows ({n}, {k}) do not fit a packed weight of {m} outputs, its bias and residual")
+    out = torch.empty(n, m)
+    failed = _library().f32_linear(
+        x.data_ptr(), n, k, x.stride(0), packed.data_ptr(), m, _address(bias), _address(residual),
+        0 if residual is None else residual.stride(0), out.data_ptr(), m, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise ValueError(f"the fp32 kernel does not take rows ({n}, {k}) x weight ({m}, {k})")
+    return out
+
+
+@f32_linear.register_fake
+def _(x, packed, m, bias, residual) -> Tensor:
     return x.new_empty(x.shape[0], m)

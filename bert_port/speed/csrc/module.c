@@ -16,6 +16,9 @@ int amx_ready(void);
 int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
                int64_t cols, int threads);
+int f32_linear_ready(void);
+int f32_linear(const float *x, int64_t N, int64_t K, int64_t ldx, const float *wp, int64_t M, const float *bias,
+               const float *res, int64_t ldr, float *out, int64_t ldo, int threads);
 
 #define P(a) ((void *)(uintptr_t)(a))
 
@@ -70,12 +73,26 @@ static PyObject *py_amx_linear(PyObject *self, PyObject *args) {
   Py_END_ALLOW_THREADS return PyLong_FromLong(failed);
 }
 
+static PyObject *py_f32_linear_ready(PyObject *self, PyObject *args) { return PyBool_FromLong(f32_linear_ready()); }
+
+static PyObject *py_f32_linear(PyObject *self, PyObject *args) {
+  unsigned long long x, wp, bias, res, out;
+  long long n, k, ldx, m, ldr, ldo;
+  int threads, failed;
+  if (!PyArg_ParseTuple(args, "KLLLKLKKLKLi", &x, &n, &k, &ldx, &wp, &m, &bias, &res, &ldr, &out, &ldo, &threads))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS failed = f32_linear(P(x), n, k, ldx, P(wp), m, P(bias), P(res), ldr, P(out), ldo, threads);
+  Py_END_ALLOW_THREADS return PyLong_FromLong(failed);
+}
+
 static PyMethodDef methods[] = {
     {"packed_attention", py_packed_attention, METH_VARARGS, "csrc/attention.c"},
     {"quantize_rows", py_quantize_rows, METH_VARARGS, "csrc/int8_rows.c"},
     {"dequantize_rows", py_dequantize_rows, METH_VARARGS, "csrc/int8_rows.c"},
     {"amx_ready", py_amx_ready, METH_NOARGS, "csrc/amx_linear.c: AMX tiles usable here"},
     {"amx_linear", py_amx_linear, METH_VARARGS, "csrc/amx_linear.c"},
+    {"f32_linear_ready", py_f32_linear_ready, METH_NOARGS, "csrc/f32_linear.c: built with AVX2 and FMA"},
+    {"f32_linear", py_f32_linear, METH_VARARGS, "csrc/f32_linear.c"},
     {NULL, NULL, 0, NULL},
 };
 
