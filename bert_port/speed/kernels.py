@@ -229,7 +229,9 @@ def f32_linear(x: Tensor, packed: Tensor, m: int, bias: Tensor | None, residual:
     fits = packed.is_contiguous() and packed.dtype == torch.float32 and packed.numel() == m * k
     fits = fits and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == m))
     if not fits or (residual is not None and residual.shape != (n, m)):
-        raise ValueError(f"f32_linear: rows ({n}, {k}) do not fit a packed weight of {m} outputs, its bias and residual")
+        raise ValueError(
+            f"f32_linear: rows ({n}, {k}) do not fit a packed weight of {m} outputs, its bias and residual"
+        )
     out = torch.empty(n, m)
     failed = _library().f32_linear(
         x.data_ptr(), n, k, x.stride(0), packed.data_ptr(), m, _address(bias), _address(residual),
