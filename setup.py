@@ -38,7 +38,7 @@ def extension(variant: str, march: list[str]) -> Extension:
     return Extension(
         f"bert_port.speed._kernels_{variant}",
         sources=[f"{CSRC}/{name}" for name in sources],
-        depends=[f"{CSRC}/vector.h", f"{CSRC}/tasks.h"],
+        depends=[f"{CSRC}/vector.h", f"{CSRC}/tasks.h", f"{CSRC}/amx_emulated.h"],
         define_macros=[("VARIANT", variant)],
         extra_compile_args=FLAGS + march,
         extra_link_args=["-fopenmp"],

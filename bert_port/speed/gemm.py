@@ -380,11 +380,11 @@ class RowStableLinear(nn.Linear):
             return epilogue(F.linear(x, self.weight, self.bias), self.activation, residual)
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
+        if residual is not None:  # one residual row per input row (a broadcast one expanded first)
+            residual = residual.expand(*x.shape[:-1], residual.shape[-1]).reshape(n, -1)
         if self.batch_invariant and n < MIN_GEMM_ROWS:
             rows = F.pad(rows, (0, 0, 0, MIN_GEMM_ROWS - n))
-            residual = None if residual is None else F.pad(residual.reshape(n, -1), (0, 0, 0, MIN_GEMM_ROWS - n))
-        elif residual is not None:
-            residual = residual.reshape(n, -1)
+            residual = None if residual is None else F.pad(residual, (0, 0, 0, MIN_GEMM_ROWS - n))
         out = _linear(rows, (self.weight, self.bias), self, self.activation, residual, self.batch_invariant)
         return out[:n].reshape(*x.shape[:-1], -1)
 

@@ -14,7 +14,8 @@
  * ReLU, then the residual, then one rounding to bf16 (to nearest even), as oneDNN's post-ops do.
  *
  * Built at install into the AMX variant of the kernels' extension (setup.py). In the variants
- * built without AMX, `amx_ready` returns 0 and speed/gemm.py never calls `amx_linear`. */
+ * built without AMX, `amx_ready` returns 0 and speed/gemm.py never calls `amx_linear`; the tiles are
+ * emulated there (amx_emulated.h), for the tests. */
 #pragma GCC optimize("fp-contract=fast") /* fused multiply-adds here (see above) */
 #include <stdint.h>
 
@@ -31,6 +32,7 @@
 
 /* Linux hands out AMX's tile state only on request, once per process. */
 int amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+int amx_emulated(void) { return 0; }
 
 struct tile_config {
   uint8_t palette, start_row, reserved[14];
@@ -48,6 +50,16 @@ static void configure_tiles(void) {
   }
   _tile_loadconfig(&config);
 }
+
+#else
+/* Without AMX the same kernel runs on tiles emulated in plain C (amx_emulated.h): slow, never
+ * called by gemm.py (`amx_ready` is 0), and there so that the kernel's blocking, weight layout,
+ * epilogue and work sharing are tested on every CPU (tests/test_amx_linear.py). */
+#include "amx_emulated.h"
+
+int amx_ready(void) { return 0; }
+int amx_emulated(void) { return 1; }
+#endif
 
 /* GELU's erf: Eigen's rational approximation (x times a polynomial in x^2 of degree 6 over one of
  * degree 4, on x clamped to [-4, 4], where erf is 1 to float precision beyond). Absolute error a
@@ -170,7 +182,7 @@ int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint1
     return -1;
   /* Each thread's own rows as ATen splits them (tasks.h), column chunk by column chunk within them,
    * so that a chunk's weight stays in L2 while the thread's rows pass through. */
-  const int64_t blocks = N / 32, chunks = (M + cols - 1) / cols;
+  const int64_t chunks = (M + cols - 1) / cols;
   struct task_range ranges[threads];
   for (int k = 0; k < threads; k++) {
     const int64_t first = block_start(N, threads, k), rows = block_start(N, threads, k + 1) - first;
@@ -190,13 +202,3 @@ int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint1
   }
   return 0;
 }
-
-#else
-int amx_ready(void) { return 0; }
-
-int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
-               const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
-               int64_t cols, int threads) {
-  return -1;
-}
-#endif

@@ -13,6 +13,7 @@ void quantize_rows(const float *x, int64_t n, int64_t k, int64_t ld, const float
 void dequantize_rows(float *acc, int64_t n, int64_t m, const float *steps, const float *bias, const float *extra,
                      int64_t ld, const float *extra_weight, int64_t f, const float *residual, int threads);
 int amx_ready(void);
+int amx_emulated(void);
 int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
                int64_t cols, int threads);
@@ -61,6 +62,8 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *args) {
 
 static PyObject *py_amx_ready(PyObject *self, PyObject *args) { return PyBool_FromLong(amx_ready()); }
 
+static PyObject *py_amx_emulated(PyObject *self, PyObject *args) { return PyBool_FromLong(amx_emulated()); }
+
 static PyObject *py_amx_linear(PyObject *self, PyObject *args) {
   unsigned long long x, wp, bias, res, out;
   long long n, k, ldx, m, ldr, ldo, cols;
@@ -90,6 +93,7 @@ static PyMethodDef methods[] = {
     {"quantize_rows", py_quantize_rows, METH_VARARGS, "csrc/int8_rows.c"},
     {"dequantize_rows", py_dequantize_rows, METH_VARARGS, "csrc/int8_rows.c"},
     {"amx_ready", py_amx_ready, METH_NOARGS, "csrc/amx_linear.c: AMX tiles usable here"},
+    {"amx_emulated", py_amx_emulated, METH_NOARGS, "csrc/amx_linear.c: its tiles emulated in C (no AMX build)"},
     {"amx_linear", py_amx_linear, METH_VARARGS, "csrc/amx_linear.c"},
     {"f32_linear_ready", py_f32_linear_ready, METH_NOARGS, "csrc/f32_linear.c: built with AVX2 and FMA"},
     {"f32_linear", py_f32_linear, METH_VARARGS, "csrc/f32_linear.c"},
