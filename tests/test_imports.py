@@ -41,22 +41,6 @@ LAYER_NAMES = {0: "model", 1: "loading/saving", 2: "training/embed/sentence/pari
 
 # Known circles (issue 40), each to be removed by splitting the modules that form it.
 KNOWN_CIRCLES: list[frozenset[str]] = [
-    # the loader and saver are typed on the model class and read its class attributes; the loader
-    # applies the speed layer (bert_port.speed), whose modules subclass the model's, so the model
-    # classes' from_pretrained reaches them through it
-    frozenset(
-        {
-            "bert_port.base_bert",
-            "bert_port.loading",
-            "bert_port.saving",
-            "bert_port.loader_arguments",
-            "bert_port.bert",
-            "bert_port.speed",
-            "bert_port.speed.layers",
-            "bert_port.speed.quantization",
-        }
-    ),
-    frozenset({"bert_port.heads", "bert_port.generation"}),
     # free functions that take the whole recipe: hand them small value objects instead
     frozenset(
         {
@@ -70,9 +54,6 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
 
 # Known climbs (importer, imported), each to be removed.
 KNOWN_CLIMBS: set[tuple[str, str]] = {
-    # the model's base class calls the loader and saver: type them on a small protocol instead
-    ("bert_port.base_bert", "bert_port.loading"),
-    ("bert_port.base_bert", "bert_port.saving"),
     # the readers' writers use checkpoint.atomic_write: move the staged write below both
     ("bert_port.records", "bert_port.checkpoint"),
     ("bert_port.tagged", "bert_port.checkpoint"),
