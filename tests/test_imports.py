@@ -53,13 +53,7 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
 ]
 
 # Known climbs (importer, imported), each to be removed.
-KNOWN_CLIMBS: set[tuple[str, str]] = {
-    # the readers' writers use checkpoint.atomic_write: move the staged write below both
-    ("bert_port.records", "bert_port.checkpoint"),
-    ("bert_port.tagged", "bert_port.checkpoint"),
-    # TokenizerError subclasses CheckpointError, which pulls in the whole checkpoint package
-    ("bert_port.tokenization", "bert_port.checkpoint"),
-}
+KNOWN_CLIMBS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
