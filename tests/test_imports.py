@@ -167,6 +167,39 @@ def test_no_new_import_that_climbs_the_layers():
     assert not gone, f"these allowlisted climbs are gone: delete them from KNOWN_CLIMBS: {gone}"
 
 
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def test_the_model_does_not_reach_into_data_or_training_tasks():
+    """The heads need a problem type's loss (`losses`), not its labels, readers or metrics."""
+    graph = import_graph()
+    sideways = {"bert_port.problem", "bert_port.data", "bert_port.records", "bert_port.tagged", "bert_port.metrics"}
+    for model in ("bert_port.bert", "bert_port.heads", "bert_port.classifier", "bert_port.base_bert"):
+        assert not _closure(graph, model) & sideways, (model, sorted(_closure(graph, model) & sideways))
+    assert "bert_port.losses" in graph["bert_port.classifier"]
+
+
+def test_every_port_model_has_its_load_and_save_methods_after_any_import():
+    """`loading` and `saving` set them on the model class (the model layer cannot import them);
+    the package's __init__ imports both, so importing only bert.py still gives them."""
+    import subprocess
+    import sys
+
+    code = (
+        "from bert_port.bert import BertModel; import inspect; "
+        "print(all(hasattr(BertModel, m) for m in ('from_pretrained', 'load_hf_state_dict', 'save_pretrained', "
+        "'hf_state_dict')), 'quantization' in inspect.signature(BertModel.from_pretrained).parameters)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
 def test_the_checks_catch_a_planted_circle_and_climb():
     graph = {"bert_port.bert": {"bert_port.training.recipe"}, "bert_port.training.recipe": {"bert_port.bert"}}
     assert circles(graph) == [frozenset(graph)]
