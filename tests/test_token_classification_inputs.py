@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import TINY, run_finetune
-from ner_data import ckpt, files, first, ner_args, predict_inputs  # noqa: F401  (fixtures)
+from ner_data import ckpt, files, ner_args, predict_inputs, splits  # noqa: F401  (fixtures)
 
 from bert_port import BertConfig
 from bert_port.cli import predict as predict_cli

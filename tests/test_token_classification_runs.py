@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, TOL, assert_same_step_losses, load_last, metrics_of, run_finetune
-from ner_data import REPO, STRATEGIES, ckpt, files, first, ner_args, predict_inputs  # noqa: F401  (fixtures)
+from ner_data import REPO, STRATEGIES, ckpt, files, ner_args, predict_inputs, splits  # noqa: F401  (fixtures)
 
 from bert_port import BertConfig
 from bert_port.cli import predict as predict_cli
