@@ -1,5 +1,8 @@
 """bert_port: a from-scratch PyTorch BERT that loads and saves Hugging Face checkpoints."""
 
+# `loading` and `saving` give every port model its from_pretrained / save_pretrained methods
+# when imported (see base_bert); importing them here makes that true after any import of bert_port.
+from . import loading, saving  # noqa: F401
 from .base_bert import BertPreTrainedModel
 from .bert import BertLayer, BertModel, BertSelfAttention
 from .cache import KVCache

@@ -1,22 +1,44 @@
 """`BertPreTrainedModel`: what every port model shares: weight initialisation, its dtype
 and device, transformers' conveniences (input embeddings, tied weights, gradient
-checkpointing, resizing the vocabulary), and thin `from_pretrained` / `save_pretrained`
-methods over the plain functions of `loading` and `saving`.
+checkpointing, resizing the vocabulary). Its `from_pretrained`, `load_hf_state_dict`,
+`save_pretrained` and `hf_state_dict` are the functions of `loading` and `saving`, a layer up,
+which install them on this class when imported (`import bert_port` imports both).
+`meta_init` builds a model without initialising weights that a load will replace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from . import loading, saving
 from .config import BertConfig
 
 # transformers' Megatron-BERT class of a port class, where it is not "Megatron" + the port's name.
 MEGATRON_ARCHITECTURES = {"BertLMHeadModel": "MegatronBertForCausalLM"}
+
+
+@contextmanager
+def meta_init() -> Iterator[None]:
+    """Build modules on the meta device without running their random initialisers: the
+    weights are about to be replaced by the checkpoint's, and `normal_` on a meta tensor
+    imports torch._dynamo (slow, on the first load in a process). Like transformers'
+    `no_init_weights`, it swaps `torch.nn.init`'s in-place initialisers for no-ops while
+    the model is constructed."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 class BertPreTrainedModel(nn.Module):
@@ -84,23 +106,21 @@ class BertPreTrainedModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    # -- loading and saving: the functions of `loading` and `saving`, as methods ---------
+    # -- loading and saving: installed by `loading` and `saving` ------------------------
+    # They read and write files, a layer above the model, so the model cannot import them: each
+    # module sets its functions here when imported, and `bert_port/__init__.py` imports both, so
+    # the methods are there after any import of the package. What each one is:
 
-    # `loading.from_pretrained(cls, path, ...)`: the checkpoint, a config and dtype/device
-    # choices -> a model in eval mode.
-    from_pretrained = classmethod(loading.from_pretrained)
-    # `loading.load_hf_state_dict(model, state_dict, ...)`: strict, all-or-nothing; returns
-    # the keys initialised afresh.
-    load_hf_state_dict = loading.load_hf_state_dict
+    # `loading.from_pretrained(cls, path, ...)` as a classmethod: the checkpoint, a config and
+    # dtype/device choices -> a model in eval mode, the speed layer swapped in.
+    from_pretrained: ClassVar[Callable[..., Any]]
+    # `loading.load_hf_state_dict(model, state_dict, ...)`: strict, all-or-nothing; returns the
+    # keys initialised afresh.
+    load_hf_state_dict: Callable[..., list[str]]
     # `saving.save_pretrained(model, directory, max_shard_size)`: one staged write of the folder.
-    save_pretrained = saving.save_pretrained
+    save_pretrained: Callable[..., Path]
     # `saving.hf_state_dict(model)`: the state dict under Hugging Face names.
-    hf_state_dict = saving.hf_state_dict
-
-    def sentence_transformers_files(self) -> tuple[list[str], list[str]]:
-        """The sentence-transformers files and module folders `save_pretrained` copies from
-        the folder the model was loaded from (see `saving.sentence_transformers_files`)."""
-        return saving.sentence_transformers_files(self)
+    hf_state_dict: Callable[..., dict[str, Tensor]]
 
     @property
     def hf_architecture(self) -> str:

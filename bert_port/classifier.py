@@ -1,6 +1,6 @@
 """`BertForSequenceClassification`: BERT, dropout on the pooled [CLS] vector, a linear
 layer to `num_labels`, and the loss transformers uses for the config's `problem_type`
-(`bert_port.problem.ProblemType`).
+(`bert_port.losses`).
 
 Parameter names are `bert.<port name>` for the encoder and `classifier.{weight,bias}` for
 the head; checkpoints are read and written under HF's `bert.<HF name>` / `classifier.*`.
@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from .bert import BertModel
 from .config import BertConfig
 from .heads import _BertWithHead
+from .losses import IGNORE_INDEX, batch_loss, infer_problem_type, per_example_loss
 from .outputs import ModelOutput
-from .problem import IGNORE_INDEX, ProblemType, per_example_loss
 
 __all__ = ["IGNORE_INDEX", "BertForSequenceClassification", "per_example_loss"]
 
@@ -65,7 +65,7 @@ class BertForSequenceClassification(_BertWithHead):
         if labels is not None:
             if self.config.problem_type is None:
                 # As transformers does: decided by the first labelled batch and kept in the config.
-                self.config.problem_type = ProblemType.infer(self.num_labels, labels).value
-            loss = ProblemType(self.config.problem_type).batch_loss(logits, labels)
+                self.config.problem_type = infer_problem_type(self.num_labels, labels)
+            loss = batch_loss(logits, labels, self.config.problem_type)
         out = ModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.returned(return_dict)

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .cache import KVCache
 
-if TYPE_CHECKING:
-    from .heads import BertLMHeadModel
+# `model` below is a `heads.BertLMHeadModel`, which binds `generate` as its method: typed as a
+# module here, so that generation does not import the heads back.
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def as_prompts(batch: Mapping[str, Tensor], drop_sep: bool = True) -> dict[str, 
 
 
 def _check_arguments(
-    model: BertLMHeadModel, input_ids: Tensor, max_new_tokens: int, do_sample: bool, temperature: float, top_k, top_p
+    model: nn.Module, input_ids: Tensor, max_new_tokens: int, do_sample: bool, temperature: float, top_k, top_p
 ) -> None:
     """A `ValueError` saying what to change, before any step runs."""
     config = model.config
@@ -187,7 +186,7 @@ def _eos_and_pad(
 
 @torch.no_grad()
 def generate(
-    model: BertLMHeadModel,
+    model: nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     max_new_tokens: int = 20,

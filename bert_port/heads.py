@@ -24,8 +24,8 @@ from .base_bert import BertPreTrainedModel
 from .bert import BertModel
 from .cache import KVCache
 from .config import BertConfig
+from .losses import IGNORE_INDEX
 from .outputs import ModelOutput
-from .problem import IGNORE_INDEX
 from .utils import get_activation
 
 log = logging.getLogger(__name__)

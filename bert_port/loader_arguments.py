@@ -13,6 +13,7 @@ import torch
 
 from .config import RUNTIME_OPTIONS, BertConfig
 from .devices import resolve_device
+from .speed.quantization import check_quantization
 
 if TYPE_CHECKING:
     from .base_bert import BertPreTrainedModel
@@ -144,8 +145,6 @@ def resolve_quantization(
 ) -> str | None:
     """`quantization` (None or "int8", `quantization.check_quantization`), checked against the
     dtype and device asked for: int8 runs on the CPU, from float32 weights."""
-    from .speed.quantization import check_quantization
-
     check_quantization(quantization)
     if quantization is None:
         return None

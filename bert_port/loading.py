@@ -1,6 +1,7 @@
-"""Loading an HF checkpoint into a port model: `meta_init`, `from_pretrained` and
-`load_hf_state_dict`, the last as a row of named steps. What `from_pretrained` accepts is
-decided in `loader_arguments`.
+"""Loading an HF checkpoint into a port model: `from_pretrained` and `load_hf_state_dict`,
+the last as a row of named steps. What `from_pretrained` accepts is decided in
+`loader_arguments`. Both become methods of every port model: this module sets them on
+`BertPreTrainedModel` (at its end), since the model layer below cannot import it.
 
 `from_pretrained` builds the model on the meta device and assigns the checkpoint's tensors
 in place, so no random initialisation is computed and thrown away and no second copy of the
@@ -18,15 +19,15 @@ import os
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import checkpoint as ckpt
+from . import speed
+from .base_bert import BertPreTrainedModel, meta_init
 from .config import BertConfig
 from .devices import resolve_device
 from .loader_arguments import (
@@ -40,32 +41,10 @@ from .loader_arguments import (
     resolve_quantization,
 )
 
-if TYPE_CHECKING:
-    from .base_bert import BertPreTrainedModel
-
 log = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------------------
 # Building and loading a model
-
-
-@contextmanager
-def meta_init() -> Iterator[None]:
-    """Build modules on the meta device without running their random initialisers: the
-    weights are about to be replaced by the checkpoint's, and `normal_` on a meta tensor
-    imports torch._dynamo (slow, on the first load in a process). Like transformers'
-    `no_init_weights`, it swaps `torch.nn.init`'s in-place initialisers for no-ops while
-    the model is constructed."""
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
 
 
 def from_pretrained(
@@ -136,8 +115,6 @@ def _apply_speed(model: BertPreTrainedModel, optimize: bool | None, batch_invari
     if optimize is None:
         optimize = model.config.attn_implementation != "eager"
     if optimize or quantization is not None:
-        from . import speed  # (here: speed builds on the model classes, which import this module)
-
         speed.optimize(model, batch_invariant=batch_invariant)
         if quantization is not None:
             speed.quantization.quantize_for_loading(model)
@@ -465,3 +442,8 @@ def materialize_new(
         module.to(dtype or reference.dtype)
         for attr, tensor in loaded.items():
             getattr(module, attr).data = tensor
+
+
+# The model's methods (see base_bert): the model layer cannot import this module, so it sets them.
+BertPreTrainedModel.from_pretrained = classmethod(from_pretrained)
+BertPreTrainedModel.load_hf_state_dict = load_hf_state_dict

@@ -1,13 +1,14 @@
 """The problem types of the fine-tuning recipe, defined once: the three of transformers'
 `BertForSequenceClassification`, and token classification (`BertForTokenClassification`, NER).
 
-`ProblemType` is a `str` enum whose values are transformers' strings, as they stand in
+The training side of a problem type; its loss, which the heads need too, is in `losses` (the heads
+import that module, never this one). `ProblemType` is a `str` enum whose values are transformers' strings, as they stand in
 `config.json` and on the command line (`--problem-type`). `token_classification` is bert_port's
 own: transformers' token classifier has no `problem_type`, so its `config.json` leaves it unset
 and `of_config` tells it by its `architectures`. Each member owns everything that differs
 between them:
 
-  - its loss (`loss`: per example, (B,); `batch_loss`: transformers' mean for a batch);
+  - its loss (`loss`: per example, (B,); `batch_loss`: transformers' mean for a batch; both `losses`);
   - how its labels are read (`label_kind`, the reader `bert_port.data.load_texts` applies;
     token classification reads word tags with `bert_port.tagged.load_tagged`),
     named (`label_names`), checked against training (`check_labels`) and turned into
@@ -28,14 +29,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from . import losses
 from .data import LABEL_SEPARATOR, DataError, TextDataset, label_names, label_set
 from .metrics import ClassCounts, MultiLabelCounts, Predictions, TagSequences
 from .tagged import TaggedDataset, entity_types, tag_names
-
-IGNORE_INDEX = -100  # cross_entropy's default: a label to leave out of the loss
 
 
 class ProblemType(str, enum.Enum):
@@ -43,7 +42,7 @@ class ProblemType(str, enum.Enum):
     metrics, accumulator). Compare members with the plain strings freely (`str` enum)."""
 
     REGRESSION = (
-        "regression",
+        losses.REGRESSION,
         "regression",
         "a number per text, MSE loss",
         "float",
@@ -52,7 +51,7 @@ class ProblemType(str, enum.Enum):
         Predictions,
     )
     SINGLE_LABEL = (
-        "single_label_classification",
+        losses.SINGLE_LABEL,
         "single-label",
         "one class per text",
         "class",
@@ -61,7 +60,7 @@ class ProblemType(str, enum.Enum):
         ClassCounts,
     )
     MULTI_LABEL = (
-        "multi_label_classification",
+        losses.MULTI_LABEL,
         "multi-label",
         "a set of labels per text, sigmoid + BCE loss",
         "multi",
@@ -70,7 +69,7 @@ class ProblemType(str, enum.Enum):
         MultiLabelCounts,
     )
     TOKEN_CLASSIFICATION = (
-        "token_classification",
+        losses.TOKEN_CLASSIFICATION,
         "token",
         "a BIO tag per word (NER), cross-entropy on each word's first word piece",
         "tags",
@@ -112,14 +111,8 @@ class ProblemType(str, enum.Enum):
 
     @classmethod
     def infer(cls, num_labels: int, labels: Tensor) -> ProblemType:
-        """transformers' rule when `config.problem_type` is unset: one output is regression,
-        integer labels are single-label classification, anything else (float multi-hot) is
-        multi-label."""
-        if num_labels == 1:
-            return cls.REGRESSION
-        if labels.dtype in (torch.long, torch.int):
-            return cls.SINGLE_LABEL
-        return cls.MULTI_LABEL
+        """transformers' guess when `config.problem_type` is unset (`losses.infer_problem_type`)."""
+        return cls(losses.infer_problem_type(num_labels, labels))
 
     @property
     def headline(self) -> tuple[str, str]:
@@ -129,38 +122,12 @@ class ProblemType(str, enum.Enum):
     # --- loss ------------------------------------------------------------------------------
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """The loss of each example, (B,), such that its mean is transformers' loss for the
-        batch: MSE (averaged over outputs), cross-entropy, or BCE-with-logits (averaged over
-        labels). The training loop sums these over a global batch, so that gradient
-        accumulation and several processes give the same gradient as one large batch.
-
-        Token classification: logits (B, T, K), labels (B, T) with -100 on the positions that
-        carry no tag; each sentence's loss is its mean cross-entropy over its tagged positions,
-        so every sentence weighs the same in a step whatever its length, and the gradient does
-        not depend on how the global batch is split (transformers' mean over a batch's tokens does)."""
-        if self is ProblemType.TOKEN_CLASSIFICATION:
-            per_token = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-            ).view(labels.shape)  # (B, T), 0 where ignored
-            return per_token.sum(-1) / (labels != IGNORE_INDEX).sum(-1).clamp(min=1)
-        if self is ProblemType.REGRESSION:
-            if logits.shape[-1] == 1:  # HF squeezes a single output
-                return F.mse_loss(logits.squeeze(-1), labels.reshape(-1).to(logits.dtype), reduction="none")
-            return F.mse_loss(logits, labels.to(logits.dtype), reduction="none").mean(-1)
-        if self is ProblemType.SINGLE_LABEL:
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
-        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(-1)
+        """The loss of each example, (B,) (`losses.per_example_loss`)."""
+        return losses.per_example_loss(logits, labels, self.value)
 
     def batch_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """transformers' loss of a batch, a 0-d tensor: the mean of `loss`, except that
-        single-label rows labelled -100 count neither in the sum nor the mean, and token
-        classification takes the mean over every tagged position of the batch."""
-        if self is ProblemType.TOKEN_CLASSIFICATION:
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-        per_example = self.loss(logits, labels)
-        if self is ProblemType.SINGLE_LABEL:
-            return per_example.sum() / (labels.view(-1) != IGNORE_INDEX).sum()
-        return per_example.mean()
+        """transformers' loss of a batch, a 0-d tensor (`losses.batch_loss`)."""
+        return losses.batch_loss(logits, labels, self.value)
 
     # --- labels ----------------------------------------------------------------------------
 
@@ -311,8 +278,3 @@ def config_label_names(config, where: str) -> list[str]:
             "told apart; give every id its own name in id2label (and label2id) of config.json"
         )
     return names
-
-
-def per_example_loss(logits: Tensor, labels: Tensor, problem_type: str) -> Tensor:
-    """`ProblemType(problem_type).loss(logits, labels)`: the loss of each example, (B,)."""
-    return ProblemType(problem_type).loss(logits, labels)

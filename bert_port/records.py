@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import atomic_write
+from .storage.staging import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ def write_records(records: Sequence[dict], path: str | os.PathLike, columns: Seq
     """Write `records` as CSV or TSV (a header of `columns`, default every key in order of
     first appearance; a missing value is an empty cell) or as JSONL (each record whole), by
     the extension of `path`. The file is written under a temporary name and renamed into
-    place (`checkpoint.atomic_write`): a killed or failed write leaves the previous file."""
+    place (`storage.staging.atomic_write`): a killed or failed write leaves the previous file."""
     path = Path(path)
     fmt = file_format(path)
     path.parent.mkdir(parents=True, exist_ok=True)

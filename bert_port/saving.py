@@ -18,16 +18,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import checkpoint as ckpt
+from .base_bert import BertPreTrainedModel
 from .config import SHAPE_FIELDS
-
-if TYPE_CHECKING:
-    from .base_bert import BertPreTrainedModel
+from .speed.quantization import refuse_saving
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +33,6 @@ log = logging.getLogger(__name__)
 def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
     """The model's state dict under Hugging Face names (the inverse of the key table). Tied
     targets are left out: they are written once, under the name of what they are tied to."""
-    from .speed.quantization import refuse_saving
-
     refuse_saving(model)
     state = {
         k.removeprefix(model.port_encoder_prefix): v
@@ -77,8 +73,6 @@ def save_pretrained(
     (default: those the model carries from its source, `carried_sentence_files`). The folder
     is one `checkpoint.StagedWrite`: an interrupted, killed or concurrent save leaves one
     whole checkpoint, the old or the new."""
-    from .speed.quantization import refuse_saving
-
     refuse_saving(model)  # before anything is created
     ckpt.parse_size(max_shard_size)  # a bad size fails before anything is created
     out = Path(save_directory)
@@ -236,3 +230,8 @@ def _remove_foreign_sentence_files(stage: ckpt.StagedWrite, wanted: SentenceFile
     left = [f for f in present_folders if f not in wanted.folders and not ckpt.ST_FOLDER.fullmatch(f)]
     if left:
         log.warning("%s: left %s in place (not named as sentence-transformers names module folders)", out, left)
+
+
+# The model's methods (see base_bert): the model layer cannot import this module, so it sets them.
+BertPreTrainedModel.save_pretrained = save_pretrained
+BertPreTrainedModel.hf_state_dict = hf_state_dict

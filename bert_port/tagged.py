@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .checkpoint import atomic_write
 from .records import FORMATS, DataError, load_texts, read_records, read_text, write_texts
+from .storage.staging import atomic_write
 
 CONLL_SUFFIXES = (".conll", ".iob", ".iob2", ".bio")
 TEXT_SUFFIXES = (".txt",)  # bert-port-predict: plain text, one text per line

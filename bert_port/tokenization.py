@@ -21,7 +21,7 @@ import torch
 from tokenizers import Encoding, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
-from .checkpoint import CheckpointError
+from .storage.errors import CheckpointError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # The padding token of BERT's WordPiece, then of RoBERTa's BPE and XLM-R's SentencePiece (id 1 in both).

@@ -68,7 +68,7 @@ run)
     { nvidia-smi -L 2>/dev/null; lscpu | grep -E 'Model name|^CPU\(s\)'; $py -c 'import torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'; } | tee "$out/machine.txt"
     $py -m pytest -q -m gpu -p no:cacheprovider tests/test_parity.py tests/test_bert.py tests/test_packing.py \
-        tests/test_quantization.py tests/test_bad_inputs.py tests/test_finetune.py tests/test_recipe.py \
+        tests/test_quantization.py tests/test_bad_model_inputs.py tests/test_finetune.py tests/test_recipe.py \
         2>&1 | tee "$out/tests.log" || status=1
     for dtype in float32 bfloat16 float16; do
         $py scripts/parity_check.py --device "$device" --dtype "$dtype" --no-progress 2>&1 | tee -a "$out/parity.log" || status=1

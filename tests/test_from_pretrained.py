@@ -229,7 +229,7 @@ def test_resize_token_embeddings_as_transformers(tmp_path):
 def test_loading_does_not_import_the_write_side():
     """Loading never writes, by construction: `loading`, `loader_arguments` and the checkpoint
     package's read side (`reading`, `finite`, `locate`) import neither `saving` nor any of the
-    write side (`checkpoint.staging`, `shards`: staged writes, the exclusive lock, repair)."""
+    write side (`storage.staging`, `checkpoint.shards`: staged writes, the exclusive lock, repair)."""
     import ast
     import inspect
 

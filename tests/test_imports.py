@@ -41,22 +41,6 @@ LAYER_NAMES = {0: "model", 1: "loading/saving", 2: "training/embed/sentence/pari
 
 # Known circles (issue 40), each to be removed by splitting the modules that form it.
 KNOWN_CIRCLES: list[frozenset[str]] = [
-    # the loader and saver are typed on the model class and read its class attributes; the loader
-    # applies the speed layer (bert_port.speed), whose modules subclass the model's, so the model
-    # classes' from_pretrained reaches them through it
-    frozenset(
-        {
-            "bert_port.base_bert",
-            "bert_port.loading",
-            "bert_port.saving",
-            "bert_port.loader_arguments",
-            "bert_port.bert",
-            "bert_port.speed",
-            "bert_port.speed.layers",
-            "bert_port.speed.quantization",
-        }
-    ),
-    frozenset({"bert_port.heads", "bert_port.generation"}),
     # free functions that take the whole recipe: hand them small value objects instead
     frozenset(
         {
@@ -69,16 +53,7 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
 ]
 
 # Known climbs (importer, imported), each to be removed.
-KNOWN_CLIMBS: set[tuple[str, str]] = {
-    # the model's base class calls the loader and saver: type them on a small protocol instead
-    ("bert_port.base_bert", "bert_port.loading"),
-    ("bert_port.base_bert", "bert_port.saving"),
-    # the readers' writers use checkpoint.atomic_write: move the staged write below both
-    ("bert_port.records", "bert_port.checkpoint"),
-    ("bert_port.tagged", "bert_port.checkpoint"),
-    # TokenizerError subclasses CheckpointError, which pulls in the whole checkpoint package
-    ("bert_port.tokenization", "bert_port.checkpoint"),
-}
+KNOWN_CLIMBS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -190,6 +165,39 @@ def test_no_new_import_that_climbs_the_layers():
     assert not described, f"imports that climb the layers of docs/architecture.md: {described}"
     gone = sorted(KNOWN_CLIMBS - found)
     assert not gone, f"these allowlisted climbs are gone: delete them from KNOWN_CLIMBS: {gone}"
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def test_the_model_does_not_reach_into_data_or_training_tasks():
+    """The heads need a problem type's loss (`losses`), not its labels, readers or metrics."""
+    graph = import_graph()
+    sideways = {"bert_port.problem", "bert_port.data", "bert_port.records", "bert_port.tagged", "bert_port.metrics"}
+    for model in ("bert_port.bert", "bert_port.heads", "bert_port.classifier", "bert_port.base_bert"):
+        assert not _closure(graph, model) & sideways, (model, sorted(_closure(graph, model) & sideways))
+    assert "bert_port.losses" in graph["bert_port.classifier"]
+
+
+def test_every_port_model_has_its_load_and_save_methods_after_any_import():
+    """`loading` and `saving` set them on the model class (the model layer cannot import them);
+    the package's __init__ imports both, so importing only bert.py still gives them."""
+    import subprocess
+    import sys
+
+    code = (
+        "from bert_port.bert import BertModel; import inspect; "
+        "print(all(hasattr(BertModel, m) for m in ('from_pretrained', 'load_hf_state_dict', 'save_pretrained', "
+        "'hf_state_dict')), 'quantization' in inspect.signature(BertModel.from_pretrained).parameters)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
 
 
 def test_the_checks_catch_a_planted_circle_and_climb():

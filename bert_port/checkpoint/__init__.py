@@ -1,23 +1,41 @@
-"""Checkpoints, one job per module. Imports go one way, down this list, and the read side
-(`reading`, `finite`, `locate`) never imports the write side (`staging`): loading never writes.
+"""Hugging Face checkpoints, one job per module. Imports go one way, down this list, and the
+read side (`reading`, `finite`, `locate`) never imports the write side (`shards`, and
+`storage.staging` below): loading never writes.
 
-- `names`: the names of a checkpoint folder's files (pure);
 - `keys`: the HF <-> port key table, key normalisation and the plan of a load (pure);
-- `locking`: folder locks, exclusive for saves, shared for loads;
-- `journal`: the commit journal of a save, and whether it still describes the folder;
 - `reading`: safetensors, pickles and shard indexes, and the snapshot a load reads under;
 - `finite`: the NaN/Inf check, reading memory-mapped tensors from their files;
 - `locate`: a directory, a weights file, or a model id in the local HF cache -> the files;
-- `staging`: staged all-or-nothing writes, and the cleanup of killed saves (`repair`);
 - `shards`: model weights as `model.safetensors` or shards and an index, staged.
 
-`from bert_port import checkpoint as ckpt; ckpt.X` reaches every public name.
+They build on `bert_port.storage` (file names, locks, journals, staged writes, `CheckpointError`),
+which sits below the model so that the data readers and the tokenizer can use it too.
+`from bert_port import checkpoint as ckpt; ckpt.X` reaches every public name of both.
 """
 
 from __future__ import annotations
 
-from . import bounded, finite, journal, keys, locate, locking, names, reading, shards, staging
-from .errors import CheckpointError, human_bytes, mismatch_message, short_list
+from ..storage import bounded, journal, locking, names, staging
+from ..storage.errors import CheckpointError, human_bytes, mismatch_message, short_list
+from ..storage.locking import DirectoryLock, shared_lock
+from ..storage.names import (
+    CONFIG_NAME,
+    JOURNAL,
+    PT_INDEX,
+    PT_WEIGHTS,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    ST_CONFIG,
+    ST_FILES,
+    ST_FOLDER,
+    ST_MODEL_CONFIG,
+    ST_MODULES,
+    TEMPORARY,
+    TOKENIZER_FILES,
+    WEIGHT_NAMES,
+)
+from ..storage.staging import StagedWrite, atomic_write, repair, tidy
+from . import finite, keys, locate, reading, shards
 from .finite import non_finite
 from .keys import (
     BUFFER_KEYS,
@@ -39,26 +57,8 @@ from .keys import (
     port_to_hf,
 )
 from .locate import CheckpointFiles, checkpoint_folder, find_in_hf_cache, hf_cache_dir, is_repo_id, locate_checkpoint
-from .locking import DirectoryLock, shared_lock
-from .names import (
-    CONFIG_NAME,
-    JOURNAL,
-    PT_INDEX,
-    PT_WEIGHTS,
-    SAFE_INDEX,
-    SAFE_WEIGHTS,
-    ST_CONFIG,
-    ST_FILES,
-    ST_FOLDER,
-    ST_MODEL_CONFIG,
-    ST_MODULES,
-    TEMPORARY,
-    TOKENIZER_FILES,
-    WEIGHT_NAMES,
-)
 from .reading import REPAIR_COMMAND, FileSpan, Weights, read_snapshot, read_st_modules, read_weights, st_module_folders
 from .shards import parse_size, stage_weights, stale_weights, write_weights
-from .staging import StagedWrite, atomic_write, repair, tidy
 
 __all__ = [
     "BUFFER_KEYS",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from .errors import CheckpointError, short_list
+from ..storage.errors import CheckpointError, short_list
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bounded
-from .errors import CheckpointError
-from .names import CONFIG_NAME, WEIGHT_NAMES
+from ..storage import bounded
+from ..storage.errors import CheckpointError
+from ..storage.names import CONFIG_NAME, WEIGHT_NAMES
 
 
 @dataclass

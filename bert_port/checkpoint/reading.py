@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .bounded import JSON, read_text
-from .errors import CheckpointError, short_list
-from .journal import InvalidJournal, State, read_journal
-from .locking import shared_lock
-from .names import JOURNAL, ST_MODULES, plain_name
+from ..storage.bounded import JSON, read_text
+from ..storage.errors import CheckpointError, short_list
+from ..storage.journal import InvalidJournal, State, read_journal
+from ..storage.locking import shared_lock
+from ..storage.names import JOURNAL, ST_MODULES, plain_name
 
 log = logging.getLogger(__name__)
 

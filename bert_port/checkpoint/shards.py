@@ -13,8 +13,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from .names import PT_INDEX, PT_WEIGHTS, SAFE_INDEX, weights_name
-from .staging import StagedWrite
+from ..storage.names import PT_INDEX, PT_WEIGHTS, SAFE_INDEX, weights_name
+from ..storage.staging import StagedWrite
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..checkpoint import bounded
-from ..checkpoint.journal import digest
+from ..storage import bounded
+from ..storage.journal import digest
 from .corpus import EmbedError
 
 log = logging.getLogger(__name__)

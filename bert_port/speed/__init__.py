@@ -26,44 +26,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..bert import BertLayer, BertModel, BertSelfAttention
 from .gemm import RowStableLinear
-from .layers import FusedBertLayer, PackedBertModel, PackedSelfAttention
+from .layers import FusedBertLayer, PackedSelfAttention
 from .quantization import is_quantized, quantize
+from .swaps import SWAPS, identity, is_optimized, optimize
 
-__all__ = ["is_optimized", "is_quantized", "optimize", "quantize"]
-
-# plain class -> the class `optimize` gives it (a subclass that adds no parameter)
-SWAPS: dict[type[nn.Module], type[nn.Module]] = {
-    BertModel: PackedBertModel,
-    BertSelfAttention: PackedSelfAttention,
-    BertLayer: FusedBertLayer,
-}
-
-
-def _identity(x):
-    return x
-
-
-def optimize(model: nn.Module, *, batch_invariant: bool = True) -> nn.Module:
-    """Swap the fast modules into the port model `model` (any head), in place; returns it.
-    Again on an optimized model, it sets `batch_invariant` anew."""
-    for module in model.modules():
-        fast = SWAPS.get(type(module))
-        if fast is not None:
-            module.__class__ = fast
-        if isinstance(module, PackedSelfAttention) and "qkv" not in module._modules:
-            module.register_module("qkv", None)  # int8's fused projection goes here (quantization.py)
-        if isinstance(module, (PackedBertModel, PackedSelfAttention)):
-            module.batch_invariant = batch_invariant
-        if isinstance(module, FusedBertLayer) and type(module.interm_dense) is nn.Linear:
-            # The FFN's activation moves into its GEMM's epilogue: same arithmetic, one pass fewer.
-            RowStableLinear.swap(module.interm_dense, batch_invariant).activation = module.interm_af
-            module.interm_af = _identity
-    for module in list(model.modules()):
-        if type(module) in (nn.Linear, RowStableLinear):
-            RowStableLinear.swap(module, batch_invariant)
-    return model
+__all__ = ["is_optimized", "is_quantized", "optimize", "quantize", "restore"]
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -73,7 +41,7 @@ def restore(model: nn.Module) -> nn.Module:
         raise ValueError("an int8 model cannot be restored to floating point: load the checkpoint again")
     plain = {fast: slow for slow, fast in SWAPS.items()}
     for module in model.modules():
-        if isinstance(module, FusedBertLayer) and module.interm_af is _identity:
+        if isinstance(module, FusedBertLayer) and module.interm_af is identity:
             module.interm_af, module.interm_dense.activation = module.interm_dense.activation, None
         if isinstance(module, PackedSelfAttention):
             del module._modules["qkv"]
@@ -85,7 +53,3 @@ def restore(model: nn.Module) -> nn.Module:
             for name in ("batch_invariant", "activation"):
                 module.__dict__.pop(name, None)
     return model
-
-
-def is_optimized(model: nn.Module) -> bool:
-    return any(isinstance(m, PackedBertModel) for m in model.modules())

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..packing import Packing
 from . import kernels
 from .gemm import stack_linears
+from .swaps import is_optimized, optimize
 
 QUANTIZATIONS = ("int8",)
 ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
@@ -332,8 +333,6 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
     in place: optimize it (`speed.optimize`, if not yet), calibrate on `CALIBRATION_TEXTS` with
     `tokenizer` (the checkpoint's), then put an `Int8Linear` in place of every dense layer of
     every `BertLayer` (the module docstring says which stay float32). Returns `model`, in eval mode."""
-    from . import is_optimized, optimize
-
     if not is_optimized(model):
         optimize(model)
     encoder = model.encoder

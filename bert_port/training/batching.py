@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..data import TextDataset
-from ..problem import IGNORE_INDEX
+from ..losses import IGNORE_INDEX
 from ..tagged import TaggedDataset
 from ..tokenization import BatchEncoding, encode
 

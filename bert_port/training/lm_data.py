@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..data import DataError, TextDataset, builtin_splits, load_texts, validation_split
-from ..problem import IGNORE_INDEX
+from ..losses import IGNORE_INDEX
 from .masking import Masking, block_seed
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..problem import IGNORE_INDEX
+from ..losses import IGNORE_INDEX
 
 MLM_PROBABILITY = 0.15  # transformers' default, BERT's rate
 MASK_REPLACE_PROB = 0.8  # of the chosen tokens: [MASK]

@@ -34,7 +34,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data.distributed import DistributedSampler
 
 from ..devices import resolve_device
-from ..problem import ProblemType, per_example_loss
+from ..losses import per_example_loss
+from ..problem import ProblemType
 from .settings import FinetuneError, TrainingSettings
 
 if TYPE_CHECKING:

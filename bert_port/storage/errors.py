@@ -1,4 +1,5 @@
-"""The error every layer of `bert_port.checkpoint` raises, and a helper for its messages."""
+"""`CheckpointError`, the error of `bert_port.storage` and `bert_port.checkpoint` (and the base of
+`TokenizerError`), and helpers for its messages."""
 
 from __future__ import annotations
 
