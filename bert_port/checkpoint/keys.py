@@ -86,7 +86,7 @@ DISTILBERT_TO_PORT: dict[str, str] = {
     "transformer.layer.{}.output_layer_norm.bias": "bert_layers.{}.out_layer_norm.bias",
 }
 
-# The key table of each family (`config.Family.key_table`): RoBERTa, XLM-R and ELECTRA use
+# The key table of each family (`families.Family.key_table`): RoBERTa, XLM-R and ELECTRA use
 # BERT's names under their own wrapper prefix; DistilBERT has its own.
 KEY_TABLES: dict[str, dict[str, str]] = {"bert": HF_TO_PORT, "distilbert": DISTILBERT_TO_PORT}
 INVERSE_TABLES: dict[str, dict[str, str]] = {name: {v: k for k, v in t.items()} for name, t in KEY_TABLES.items()}
