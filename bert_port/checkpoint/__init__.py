@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from . import bounded, finite, journal, keys, locate, locking, names, reading, shards, staging
 from .errors import CheckpointError, human_bytes, mismatch_message, short_list
+from .family_keys import HEAD_TABLES, head_table
 from .finite import non_finite
 from .keys import (
     BUFFER_KEYS,
@@ -65,6 +66,7 @@ __all__ = [
     "CONFIG_NAME",
     "DROPPED_PREFIXES",
     "HEAD_PREFIXES",
+    "HEAD_TABLES",
     "HF_TO_PORT",
     "JOURNAL",
     "KEY_TABLES",
@@ -99,6 +101,7 @@ __all__ = [
     "detect_layout",
     "find_in_hf_cache",
     "finite",
+    "head_table",
     "hf_cache_dir",
     "hf_to_port",
     "human_bytes",
