@@ -184,3 +184,21 @@ def test_batch_invariance_holds_on_roberta_heads(tmp_path, head):
             n = int(batch["attention_mask"][i].sum())
             alone = port(**{k: v[i : i + 1, :n] for k, v in batch.items()}).logits
             assert_bitwise([alone[0]], [together[i] if together.dim() == 2 else together[i, :n]])
+
+
+def test_head_tables_round_trip_and_spell_the_files_names():
+    """Each head table, both directions: a family's head keys to port names and back, every key
+    accounted for; a head key the file lacks is named as the family's file names it."""
+    from bert_port.checkpoint import HEAD_TABLES, head_table, hf_to_port, port_to_hf
+
+    for table, heads in HEAD_TABLES.items():
+        for head, names in heads.items():
+            prefix = {"roberta": "roberta.", "distilbert": "distilbert.", "electra": "electra."}[table]
+            state = {name: torch.zeros(1) for name in names} | {prefix + "embeddings.LayerNorm.weight": torch.zeros(1)}
+            conversion = hf_to_port(state, table=table, heads=head_table(table, head))
+            assert (
+                not conversion.unmapped and not conversion.dropped and set(names.values()) <= set(conversion.state_dict)
+            )
+            assert set(port_to_hf(conversion.state_dict, prefix, table, head_table(table, head))) == set(state)
+            for hf_name, port_name in names.items():
+                assert conversion.layout.spell(port_name) == hf_name

@@ -9,6 +9,7 @@ unexpected or fine to leave out; `LoadPlan.describe` puts that in words.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import Counter
@@ -153,10 +154,12 @@ class Layout:
     prefix: str = ""
     legacy_layer_norm: bool = False
     table: str = "bert"  # the family's key table (KEY_TABLES)
+    heads: Mapping[str, str] = field(default_factory=dict)  # the model's head names (`head_table`), HF -> port
 
     def spell(self, port_key: str) -> str:
         """The name a port key (without a task model's `bert.`) has in a file of this layout."""
-        if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
+        port_key = next((hf for hf, port in self.heads.items() if port == port_key), port_key)  # lm_head.*
+        if port_key.startswith(HEAD_PREFIXES + DROPPED_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
             parts = self.prefix.split(".")[:-1]  # "module.roberta." -> ["module", "roberta"]
             if parts and parts[-1] + "." in ENCODER_PREFIXES:
                 parts.pop()
@@ -284,7 +287,7 @@ def plan_load(
     family's key table (`KEY_TABLES`: "distilbert" for DistilBERT's names), `heads` the names of the
     model's head where they are not BERT's (`head_table`: RoBERTa's `lm_head.*`)."""
     keys = list(keys)
-    plan = LoadPlan(layout=detect_layout(keys, table))
+    plan = LoadPlan(layout=dataclasses.replace(detect_layout(keys, table), heads=heads))
     for raw_key in keys:
         key = normalize_hf_key(raw_key)
         if key != raw_key:
