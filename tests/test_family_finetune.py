@@ -38,12 +38,14 @@ def sms(tmp_path_factory) -> dict:
 def _wordpiece(path, texts) -> None:
     """A WordPiece tokenizer.json of at most 400 pieces trained here on `texts` (DistilBERT's kind),
     with its tokenizer_config.json, in place of the tokenizer files in `path`."""
-    from tokenizers import BertWordPieceTokenizer
+    from tokenizers import BertWordPieceTokenizer, processors
 
     for name in ("vocab.txt", "special_tokens_map.json"):  # the bundled WordPiece's, which save_random copied
         (path / name).unlink(missing_ok=True)
     tok = BertWordPieceTokenizer(lowercase=True)
     tok.train_from_iterator(texts, vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    # [CLS] ... [SEP] as a real DistilBERT tokenizer.json says (transformers' class adds them even without)
+    tok._tokenizer.post_processor = processors.BertProcessing(*((t, tok.token_to_id(t)) for t in ("[SEP]", "[CLS]")))
     tok.save(str(path / "tokenizer.json"))
     settings = dict(tokenizer_class="DistilBertTokenizer", do_lower_case=True, model_max_length=64)
     settings.update(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
