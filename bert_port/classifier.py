@@ -36,9 +36,10 @@ class BertForSequenceClassification(_BertWithHead):
         self.num_labels = config.num_labels
         first_token = heads.sequence_activation is not None  # else BERT's pooler reads [CLS]
         self.bert = BertModel(config, add_pooling_layer=not first_token)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        if heads.sequence_dropout is not None:  # DistilBERT's seq_classif_dropout
+        dropout = config.classifier_dropout
+        if dropout is None and heads.sequence_dropout is not None:  # DistilBERT's seq_classif_dropout
             dropout = config.extra.get(*heads.sequence_dropout)
+        dropout = dropout if dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(dropout)
         self.pre_classifier = nn.Linear(config.hidden_size, config.hidden_size) if first_token else None
         self.pre_classifier_af = get_activation(heads.sequence_activation) if first_token else None

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import TOL, metrics_of, run_finetune
+from conftest import TOL, assert_same_step_losses, metrics_of, run_finetune
 from test_families import save_random
 
 from bert_port.cli.predict import main as predict_main
@@ -64,19 +64,22 @@ def _classifier(family: str, path, texts) -> None:
 
 @pytest.mark.parametrize("family", ["roberta", "distilbert"])
 def test_finetune_then_predict_on_the_family(tmp_path, sms, family):
-    """A few fine-tuning steps train the family's classifier (the loss is finite and the weights
-    move), the run saves a folder transformers reads with the family's class, and
-    bert-port-predict on it gives the labels and probabilities of transformers' own pipeline."""
+    """A few fine-tuning steps train the family's classifier (the weights move, the step losses are
+    those of the same run on transformers' twin, `--reference hf`), the run saves a folder
+    transformers reads with the family's class, and bert-port-predict on it gives the labels and
+    probabilities of transformers' own pipeline."""
     import transformers
     from transformers import pipeline
 
     _classifier(family, tmp_path / "start", sms["texts"])
     out = tmp_path / "run"
     args = ["--checkpoint", tmp_path / "start", "--train", sms["train"], "--validation", sms["validation"]]
-    args += ["--output-dir", out, "--max-length", "24", "--batch-size", "8", "--max-steps", "3", "--eval-steps", "3"]
-    assert run_finetune(*args, "--lr", "1e-3", "--warmup-steps", "1", "--device", "cpu") == 0
-    steps = metrics_of(out)["steps"]
-    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
+    args += ["--max-length", "24", "--batch-size", "8", "--max-steps", "3", "--eval-steps", "3"]
+    args += ["--lr", "1e-3", "--warmup-steps", "1", "--device", "cpu"]
+    assert run_finetune(*args, "--output-dir", out) == 0
+    assert run_finetune(*args, "--output-dir", tmp_path / "hf", "--reference", "hf") == 0
+    assert len(metrics_of(out)["steps"]) == 3
+    assert_same_step_losses(metrics_of(out), metrics_of(tmp_path / "hf"))
     config = json.loads((out / "config.json").read_text())
     cls_name = {"roberta": "RobertaForSequenceClassification", "distilbert": "DistilBertForSequenceClassification"}
     assert config["model_type"] == family and config["architectures"] == [cls_name[family]]
