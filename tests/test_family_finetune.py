@@ -53,12 +53,17 @@ def _wordpiece(path, texts) -> None:
 
 
 def _classifier(family: str, path, texts) -> None:
-    """A random transformers classifier of the family (ham/spam) and its tokenizer in `path`."""
+    """A random transformers classifier of the family (ham/spam) and its tokenizer in `path`; no
+    dropout, so that the port's run and transformers' twin's are the same sums."""
     labels = dict(id2label={0: "ham", 1: "spam"}, label2id={"ham": 0, "spam": 1})
     if family == "roberta":
-        save_random("roberta", path, cls_name="RobertaForSequenceClassification", **labels)
+        no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        save_random("roberta", path, cls_name="RobertaForSequenceClassification", **labels, **no_dropout)
         return
-    save_random("distilbert", path, cls_name="DistilBertForSequenceClassification", vocab_size=400, **labels)
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0)
+    save_random(
+        "distilbert", path, cls_name="DistilBertForSequenceClassification", vocab_size=400, **labels, **no_dropout
+    )
     _wordpiece(path, texts)
 
 
