@@ -40,6 +40,9 @@ class Heads:
     # The config.json field of the classifier's dropout, and its default, where not BERT's
     # `classifier_dropout` or `hidden_dropout_prob` (DistilBERT's `seq_classif_dropout`).
     sequence_dropout: tuple[str, float] | None = None
+    # The question-answering head's dropout on the hidden states, as (config.json field, default);
+    # None: none, as BERT's. DistilBERT's `qa_dropout`.
+    qa_dropout: tuple[str, float] | None = None
     # The MLM transform's activation; None: `hidden_act` (BERT, DistilBERT). RoBERTa's `lm_head` and
     # ELECTRA's generator fix gelu.
     mlm_activation: str | None = None
@@ -119,7 +122,12 @@ FAMILIES: dict[str, Family] = {
         fixed={"type_vocab_size": 0, "layer_norm_eps": 1e-12},  # no token types; eps hard-coded
         pooler=False,
         attention_output_dropout=False,
-        heads=Heads(sequence_activation="relu", sequence_dropout=("seq_classif_dropout", 0.2), untied_mlm=False),
+        heads=Heads(
+            sequence_activation="relu",
+            sequence_dropout=("seq_classif_dropout", 0.2),
+            qa_dropout=("qa_dropout", 0.1),
+            untied_mlm=False,
+        ),
     ),
     "electra": Family(
         "electra",

@@ -376,6 +376,8 @@ class BertForQuestionAnswering(_BertWithHead):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
+        qa_dropout = config.family.heads.qa_dropout  # DistilBERT's; BERT's QA head drops nothing out
+        self.dropout = nn.Dropout(config.extra.get(*qa_dropout)) if qa_dropout else nn.Identity()
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self._init_head(self.qa_outputs)
 
@@ -401,7 +403,7 @@ class BertForQuestionAnswering(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
+        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()  # (B, T)
         end_logits = end_logits.squeeze(-1).contiguous()

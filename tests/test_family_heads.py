@@ -80,18 +80,40 @@ def test_family_head_loads_strictly_and_matches_transformers(tmp_path, family, h
     if head != "ForQuestionAnswering":  # its softmax runs over the padding positions too, which the speed path skips
         torch.testing.assert_close(ours["loss"], theirs.loss, **TOL[torch.float32])
 
-    exact = port_cls.from_pretrained(tmp_path, **EXACT)
-    if head == "ForPreTraining":
-        # The discriminator's (1, H) output layer is read from the safetensors file in place, at an
-        # offset that is not 64-byte aligned, and a one-column GEMM's bits follow the alignment; in
-        # memory of its own, as transformers holds it, the head is transformers' bit for bit.
-        for param in exact.discriminator_predictions.parameters():
-            param.data = param.data.clone()
+    exact = _exact(port_cls, tmp_path)
     hf.set_attn_implementation("eager")
     with torch.no_grad():
         ours, theirs = exact(**batch, **labels), hf(**batch, **labels)
     assert_bitwise([ours[key]], [theirs[key]])
     torch.testing.assert_close(ours["loss"], theirs.loss, **TOL[torch.float32])
+
+
+def _exact(port_cls: type, path):
+    """The port's model in exact mode (transformers' eager path, operation for operation). The
+    discriminator's (1, H) output layer is read from the safetensors file in place, at an offset
+    that is not 64-byte aligned, and a one-column GEMM's bits follow the alignment: given memory of
+    its own, as transformers holds it, the head is transformers' bit for bit."""
+    model = port_cls.from_pretrained(path, **EXACT)
+    for param in getattr(model, "discriminator_predictions", torch.nn.Module()).parameters():
+        param.data = param.data.clone()
+    return model
+
+
+@pytest.mark.parametrize(("family", "head"), CASES)
+def test_family_head_drops_out_where_transformers_does(tmp_path, family, head):
+    """In training, from the same seed, each head's outputs are transformers' bit for bit in exact
+    mode: the same dropouts in the same order (RoBERTa's and ELECTRA's before `pre_classifier` too,
+    DistilBERT's `seq_classif_dropout` and `qa_dropout`)."""
+    hf = _save(family, head, tmp_path)
+    port = _exact(_classes(family, head)[1], tmp_path).train()
+    hf.set_attn_implementation("eager")
+    hf.train()
+    batch = _batch(hf.config.vocab_size, hf.config.pad_token_id)
+    key = HEADS.get(head, (None, "logits"))[1]
+    torch.manual_seed(5)
+    ours = port(**batch)[key]
+    torch.manual_seed(5)
+    assert_bitwise([ours], [hf(**batch)[key]])
 
 
 @pytest.mark.parametrize(("family", "head"), CASES)
