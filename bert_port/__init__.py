@@ -9,6 +9,7 @@ from .cache import KVCache
 from .checkpoint import CheckpointError
 from .classifier import BertForSequenceClassification
 from .config import BertConfig, ConfigError
+from .discriminator import ElectraForPreTraining
 from .heads import (
     BertForMaskedLM,
     BertForPreTraining,
@@ -37,6 +38,7 @@ __all__ = [
     "BertSelfAttention",
     "CheckpointError",
     "ConfigError",
+    "ElectraForPreTraining",
     "KVCache",
     "ModelOutput",
     "Packing",

@@ -53,6 +53,9 @@ class BertPreTrainedModel(nn.Module):
     # HF head prefixes this model owns whose keys `checkpoint.hf_to_port` would otherwise drop
     # as pretraining heads (`cls.predictions.` for BertForMaskedLM), see heads.py.
     hf_head_prefixes: ClassVar[tuple[str, ...]] = ()
+    # The head's entry in the family's head key table (`checkpoint.HEAD_TABLES`: "sequence",
+    # "masked_lm"), for the families whose head names are not BERT's (RoBERTa's `lm_head`).
+    head_keys: ClassVar[str | None] = None
     # Tied parameters, port names: target -> source (the MLM decoder is the word embedding).
     # Targets are neither read from nor written to checkpoints, as in transformers.
     tied_weights: ClassVar[dict[str, str]] = {}
@@ -67,9 +70,11 @@ class BertPreTrainedModel(nn.Module):
         super().__init__()
         family, name = config.family, type(self).__name__
         if not family.supports(name):
+            uses = " or ".join(("BertModel", *family.tasks)) if family.tasks else "the Bert* models"
             raise ValueError(
-                f"{name} has no {family.model_type} counterpart in transformers that computes the same "
-                f"(its head differs); with a {family.model_type} checkpoint use BertModel or {' or '.join(family.tasks)}"
+                f"{name} has no {family.model_type} counterpart in transformers that the port computes the same "
+                f"(no such head in that family, or one not checked against it); with a {family.model_type} "
+                f"checkpoint use {uses}"
             )
         self.config = config
         self.source_dir: Path | None = None  # checkpoint directory, for its tokenizer files

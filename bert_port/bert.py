@@ -198,7 +198,7 @@ class BertModel(BertPreTrainedModel):
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__(config)
-        family = config.family  # how this model type differs from BERT (config.FAMILIES)
+        family = config.family  # how this model type differs from BERT (families.FAMILIES)
         self.add_pooling_layer = add_pooling_layer and family.pooler
         # Embeddings, of embedding_width E (ELECTRA's embedding_size; else H). RoBERTa's position
         # table has a padding row too; DistilBERT (type_vocab_size 0) has no token types.

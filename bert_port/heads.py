@@ -38,14 +38,17 @@ MLM_TIED = {
 
 
 class BertPredictionHeadTransform(nn.Module):
-    """Dense, activation, LayerNorm: the hidden states the MLM decoder reads."""
+    """Dense, activation, LayerNorm: the hidden states the MLM decoder reads, as wide as the word
+    embedding it is tied to (ELECTRA's generator: H -> embedding_size). The activation is the
+    family's (`families.Heads.mlm_activation`: RoBERTa's `lm_head` fixes gelu), else `hidden_act`."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.transform_act_fn = get_activation(config.hidden_act)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        width = config.embedding_width
+        self.dense = nn.Linear(config.hidden_size, width)
+        self.transform_act_fn = get_activation(config.family.heads.mlm_activation or config.hidden_act)
+        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         dense = self.dense(hidden_states)
@@ -60,7 +63,7 @@ class BertLMPredictionHead(nn.Module):
         super().__init__()
         self.config = config
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.decoder = nn.Linear(config.embedding_width, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
@@ -152,9 +155,15 @@ class BertForMaskedLM(_TiedMLM):
 
     hf_head_prefixes = ("cls.predictions.",)
     keys_to_init_if_missing = ("cls.predictions.",)  # e.g. a sentence-transformers checkpoint
+    head_keys = "masked_lm"  # RoBERTa's lm_head, DistilBERT's vocab_*, ELECTRA's generator: checkpoint.HEAD_TABLES
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
+        if not (config.tie_word_embeddings or config.family.heads.untied_mlm):
+            raise ValueError(
+                f"an untied {config.family.model_type} MLM head (tie_word_embeddings=false) is not supported: its "
+                "output bias is its decoder's own, which the port's head does not hold; load it with transformers"
+            )
         self.bert = BertModel(config, add_pooling_layer=False)
         self.cls = BertOnlyMLMHead(config)
         self._init_head(self.cls)
@@ -367,6 +376,8 @@ class BertForQuestionAnswering(_BertWithHead):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
+        qa_dropout = config.family.heads.qa_dropout  # DistilBERT's; BERT's QA head drops nothing out
+        self.dropout = nn.Dropout(config.extra.get(*qa_dropout)) if qa_dropout else nn.Identity()
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self._init_head(self.qa_outputs)
 
@@ -392,7 +403,7 @@ class BertForQuestionAnswering(_BertWithHead):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
-        logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
+        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))  # (B, T, 2)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()  # (B, T)
         end_logits = end_logits.squeeze(-1).contiguous()

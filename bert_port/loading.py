@@ -245,9 +245,11 @@ def load_hf_state_dict(
 
 
 def convert_keys(model: BertPreTrainedModel, state_dict: dict[str, Tensor]) -> ckpt.Conversion:
-    """The file's tensors under port names (the key table of the model's family); the pretraining
-    heads this model owns (`hf_head_prefixes`) are kept, the others dropped."""
-    return ckpt.hf_to_port(state_dict, keep_heads=model.hf_head_prefixes, table=model.config.family.key_table)
+    """The file's tensors under port names (the key tables of the model's family, its head's among
+    them); the pretraining heads this model owns (`hf_head_prefixes`) are kept, the others dropped."""
+    table = model.config.family.key_table
+    heads = ckpt.head_table(table, model.head_keys)  # RoBERTa's lm_head.* and the like, under the port's names
+    return ckpt.hf_to_port(state_dict, keep_heads=model.hf_head_prefixes, table=table, heads=heads)
 
 
 def place_under_encoder(model: BertPreTrainedModel, conversion: ckpt.Conversion) -> Incoming:

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import FAMILIES, MEGATRON_MODEL_TYPE, BertConfig, family_of
+from .config import MEGATRON_MODEL_TYPE, BertConfig
 from .extras import require
+from .families import FAMILIES, family_of
 
 
 def _transformers():

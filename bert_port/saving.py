@@ -41,7 +41,8 @@ def hf_state_dict(model: BertPreTrainedModel) -> dict[str, Tensor]:
     }
     family = model.config.family  # a task model's encoder goes under the family's prefix ("roberta.")
     prefix = family.encoder_prefix if model.hf_encoder_prefix else ""
-    return ckpt.port_to_hf(state, encoder_prefix=prefix, table=family.key_table)
+    heads = ckpt.head_table(family.key_table, model.head_keys)  # RoBERTa's classifier.out_proj.* and the like
+    return ckpt.port_to_hf(state, encoder_prefix=prefix, table=family.key_table, heads=heads)
 
 
 def config_to_write(model: BertPreTrainedModel) -> dict:

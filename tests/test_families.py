@@ -182,14 +182,14 @@ def test_token_classification_loads_the_family_head(tmp_path, model_type):
         assert_bitwise([port(**batch)["logits"]], [hf(**batch).logits])
 
 
-def test_a_head_that_differs_is_refused(tmp_path):
-    """RoBERTa's sequence classifier is not BERT's (dense + tanh + out_proj on <s>, no pooler):
-    BertForSequenceClassification refuses the checkpoint in one line rather than load it wrong."""
-    from bert_port.classifier import BertForSequenceClassification
+def test_a_head_the_family_lacks_is_refused(tmp_path):
+    """RoBERTa has no next-sentence head: BertForPreTraining refuses a RoBERTa checkpoint in one line
+    rather than load it wrong (the heads it computes: test_family_heads.py)."""
+    from bert_port.heads import BertForPreTraining
 
-    save_random("roberta", tmp_path, cls_name="RobertaForSequenceClassification")
+    save_random("roberta", tmp_path, cls_name="RobertaForMaskedLM")
     with pytest.raises(ValueError, match="no roberta counterpart in transformers") as err:
-        BertForSequenceClassification.from_pretrained(tmp_path)
+        BertForPreTraining.from_pretrained(tmp_path)
     assert "\n" not in str(err.value)
 
 

@@ -36,6 +36,7 @@ from ..storage.names import (
 )
 from ..storage.staging import StagedWrite, atomic_write, repair, tidy
 from . import finite, keys, locate, reading, shards
+from .family_keys import HEAD_TABLES, head_table
 from .finite import non_finite
 from .keys import (
     BUFFER_KEYS,
@@ -65,6 +66,7 @@ __all__ = [
     "CONFIG_NAME",
     "DROPPED_PREFIXES",
     "HEAD_PREFIXES",
+    "HEAD_TABLES",
     "HF_TO_PORT",
     "JOURNAL",
     "KEY_TABLES",
@@ -99,6 +101,7 @@ __all__ = [
     "detect_layout",
     "find_in_hf_cache",
     "finite",
+    "head_table",
     "hf_cache_dir",
     "hf_to_port",
     "human_bytes",

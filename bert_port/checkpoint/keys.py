@@ -9,6 +9,7 @@ unexpected or fine to leave out; `LoadPlan.describe` puts that in words.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import Counter
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from ..storage.errors import CheckpointError, short_list
+from .family_keys import DISTILBERT_TO_PORT, HEAD_TABLES
 
 log = logging.getLogger(__name__)
 
@@ -62,50 +64,46 @@ HF_TO_PORT: dict[str, str] = {
     "embeddings_project.bias": "embed_project.bias",
 }
 
-# DistilBERT's names (transformers' DistilBertModel): no token types, no pooler, no pre-LN.
-DISTILBERT_TO_PORT: dict[str, str] = {
-    "embeddings.word_embeddings.weight": "word_embedding.weight",
-    "embeddings.position_embeddings.weight": "pos_embedding.weight",
-    "embeddings.LayerNorm.weight": "embed_layer_norm.weight",
-    "embeddings.LayerNorm.bias": "embed_layer_norm.bias",
-    "transformer.layer.{}.attention.q_lin.weight": "bert_layers.{}.self_attention.query.weight",
-    "transformer.layer.{}.attention.q_lin.bias": "bert_layers.{}.self_attention.query.bias",
-    "transformer.layer.{}.attention.k_lin.weight": "bert_layers.{}.self_attention.key.weight",
-    "transformer.layer.{}.attention.k_lin.bias": "bert_layers.{}.self_attention.key.bias",
-    "transformer.layer.{}.attention.v_lin.weight": "bert_layers.{}.self_attention.value.weight",
-    "transformer.layer.{}.attention.v_lin.bias": "bert_layers.{}.self_attention.value.bias",
-    "transformer.layer.{}.attention.out_lin.weight": "bert_layers.{}.attention_dense.weight",
-    "transformer.layer.{}.attention.out_lin.bias": "bert_layers.{}.attention_dense.bias",
-    "transformer.layer.{}.sa_layer_norm.weight": "bert_layers.{}.attention_layer_norm.weight",
-    "transformer.layer.{}.sa_layer_norm.bias": "bert_layers.{}.attention_layer_norm.bias",
-    "transformer.layer.{}.ffn.lin1.weight": "bert_layers.{}.interm_dense.weight",
-    "transformer.layer.{}.ffn.lin1.bias": "bert_layers.{}.interm_dense.bias",
-    "transformer.layer.{}.ffn.lin2.weight": "bert_layers.{}.out_dense.weight",
-    "transformer.layer.{}.ffn.lin2.bias": "bert_layers.{}.out_dense.bias",
-    "transformer.layer.{}.output_layer_norm.weight": "bert_layers.{}.out_layer_norm.weight",
-    "transformer.layer.{}.output_layer_norm.bias": "bert_layers.{}.out_layer_norm.bias",
+# The key table of each family (`families.Family.key_table`): RoBERTa, XLM-R and ELECTRA use
+# BERT's names under their own wrapper prefix; DistilBERT has its own.
+KEY_TABLES: dict[str, dict[str, str]] = {
+    "bert": HF_TO_PORT,
+    "roberta": HF_TO_PORT,
+    "electra": HF_TO_PORT,
+    "distilbert": DISTILBERT_TO_PORT,
 }
 
-# The key table of each family (`config.Family.key_table`): RoBERTa, XLM-R and ELECTRA use
-# BERT's names under their own wrapper prefix; DistilBERT has its own.
-KEY_TABLES: dict[str, dict[str, str]] = {"bert": HF_TO_PORT, "distilbert": DISTILBERT_TO_PORT}
 INVERSE_TABLES: dict[str, dict[str, str]] = {name: {v: k for k, v in t.items()} for name, t in KEY_TABLES.items()}
 for _name, _table in KEY_TABLES.items():
     if len(INVERSE_TABLES[_name]) != len(_table):
         raise ImportError(f"checkpoint key table {_name!r} must be one-to-one: two HF names map to one port name")
+for _name, _heads in HEAD_TABLES.items():
+    for _head, _table in _heads.items():
+        if len(set(_table.values())) != len(_table):
+            raise ImportError(f"head key table {_name!r}/{_head!r} must be one-to-one: two HF names map to one")
 PORT_TO_HF: dict[str, str] = INVERSE_TABLES["bert"]
 
 # Keys that real checkpoints carry and the encoder does not need. Buffers are accepted
 # silently; pretraining heads are dropped and reported.
 BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
-DROPPED_PREFIXES = ("cls.predictions.", "cls.seq_relationship.")
+# The other families' MLM heads (RoBERTa's `lm_head`, DistilBERT's `vocab_*`, ELECTRA's generator).
+DROPPED_PREFIXES = (
+    "cls.predictions.",
+    "cls.seq_relationship.",
+    "lm_head.",
+    "vocab_transform.",
+    "vocab_layer_norm.",
+    "vocab_projector.",
+    "generator_predictions.",
+    "generator_lm_head.",
+)
 # Wrappers that training code puts around a model: DDP, torch.compile, HF task models (each
 # family's `Family.encoder_prefix`).
 ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "electra.")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", *ENCODER_PREFIXES)
 # Keys of task heads that sit beside the encoder and keep their names in both layouts.
 # Which model owns which head is said by the model classes (heads.py, classifier.py).
-HEAD_PREFIXES = ("classifier.", "qa_outputs.", "cls.")
+HEAD_PREFIXES = ("classifier.", "pre_classifier.", "qa_outputs.", "cls.", "discriminator_predictions.")
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -156,10 +154,12 @@ class Layout:
     prefix: str = ""
     legacy_layer_norm: bool = False
     table: str = "bert"  # the family's key table (KEY_TABLES)
+    heads: Mapping[str, str] = field(default_factory=dict)  # the model's head names (`head_table`), HF -> port
 
     def spell(self, port_key: str) -> str:
         """The name a port key (without a task model's `bert.`) has in a file of this layout."""
-        if port_key.startswith(HEAD_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
+        port_key = next((hf for hf, port in self.heads.items() if port == port_key), port_key)  # lm_head.*
+        if port_key.startswith(HEAD_PREFIXES + DROPPED_PREFIXES):  # heads sit beside the encoder, not under its `bert.`
             parts = self.prefix.split(".")[:-1]  # "module.roberta." -> ["module", "roberta"]
             if parts and parts[-1] + "." in ENCODER_PREFIXES:
                 parts.pop()
@@ -277,14 +277,17 @@ class LoadPlan:
         return "\n".join(lines)
 
 
-def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = (), table: str = "bert") -> LoadPlan:
+def plan_load(
+    keys: Iterable[str], keep_heads: tuple[str, ...] = (), table: str = "bert", heads: Mapping[str, str] = {}
+) -> LoadPlan:
     """The plan of loading a file with these keys (any HF layout: BertModel, BertFor*,
     bare sentence-transformers, legacy gamma/beta, wrapper prefixes). Task-head keys such
     as `classifier.*` keep their names. Pretraining-head keys (`cls.*`) are dropped unless
     they start with one of `keep_heads`, the heads of the model being loaded. `table` names the
-    family's key table (`KEY_TABLES`: "distilbert" for DistilBERT's names)."""
+    family's key table (`KEY_TABLES`: "distilbert" for DistilBERT's names), `heads` the names of the
+    model's head where they are not BERT's (`head_table`: RoBERTa's `lm_head.*`)."""
     keys = list(keys)
-    plan = LoadPlan(layout=detect_layout(keys, table))
+    plan = LoadPlan(layout=dataclasses.replace(detect_layout(keys, table), heads=heads))
     for raw_key in keys:
         key = normalize_hf_key(raw_key)
         if key != raw_key:
@@ -292,10 +295,10 @@ def plan_load(keys: Iterable[str], keep_heads: tuple[str, ...] = (), table: str 
         if key in BUFFER_KEYS:
             plan.buffers.append(raw_key)
             continue
-        if key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
+        if key not in heads and key.startswith(DROPPED_PREFIXES) and not key.startswith(keep_heads):
             plan.dropped.append(raw_key)
             continue
-        new_key = key if key.startswith(HEAD_PREFIXES) else _map_key(key, KEY_TABLES[table])
+        new_key = heads.get(key) or (key if key.startswith(HEAD_PREFIXES) else _map_key(key, KEY_TABLES[table]))
         if new_key is None:
             plan.unmapped.append(raw_key)
             new_key = raw_key  # kept under its own name so the load error can list it
@@ -316,10 +319,15 @@ class Conversion(LoadPlan):
     state_dict: dict[str, Tensor] = field(default_factory=dict)
 
 
-def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = (), table: str = "bert") -> Conversion:
+def hf_to_port(
+    state_dict: Mapping[str, Tensor],
+    keep_heads: tuple[str, ...] = (),
+    table: str = "bert",
+    heads: Mapping[str, str] = {},
+) -> Conversion:
     """Convert any HF BERT state dict (BertModel, BertForPreTraining, BertFor*, bare
     sentence-transformers, legacy gamma/beta) to port names, following `plan_load`."""
-    plan = plan_load(state_dict, keep_heads, table)
+    plan = plan_load(state_dict, keep_heads, table, heads)
     out = Conversion(**vars(plan))
     out.state_dict = {port: state_dict[raw] for port, raw in plan.sources.items()}
     if out.dropped:
@@ -331,12 +339,18 @@ def hf_to_port(state_dict: Mapping[str, Tensor], keep_heads: tuple[str, ...] = (
     return out
 
 
-def port_to_hf(state_dict: Mapping[str, Tensor], encoder_prefix: str = "", table: str = "bert") -> dict[str, Tensor]:
+def port_to_hf(
+    state_dict: Mapping[str, Tensor], encoder_prefix: str = "", table: str = "bert", heads: Mapping[str, str] = {}
+) -> dict[str, Tensor]:
     """Inverse of `hf_to_port` for a port state dict. Encoder keys get the HF names of the
     family's key `table` with `encoder_prefix` (``""`` for BertModel, ``"bert."`` or the
-    family's for task models); head keys keep their names."""
-    out = {}
+    family's for task models); head keys keep their names, except those of `heads` (HF -> port, as
+    `head_table` gives them), which get their HF names back."""
+    out, head_names = {}, {port: hf for hf, port in heads.items()}
     for key, tensor in state_dict.items():
+        if key in head_names:
+            out[head_names[key]] = tensor
+            continue
         if key.startswith(HEAD_PREFIXES):
             out[key] = tensor
             continue

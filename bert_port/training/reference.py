@@ -63,8 +63,8 @@ def build_model(cfg: FinetuneConfig, names: list[str]) -> tuple[nn.Module, Path]
     source_dir = Path(model.source_dir)
     if cfg.reference == "hf":
         model = hf_twin(model, cfg.attn_implementation)  # leaves the RNG where the port model left it
-    if cfg.freeze_encoder:
-        for param in model.bert.parameters():
+    if cfg.freeze_encoder:  # the port's encoder, or the twin's (`roberta`, `distilbert`, ... in transformers)
+        for param in (model.base_model if cfg.reference == "hf" else model.encoder).parameters():
             param.requires_grad_(False)
     return model.train(), source_dir
 
@@ -79,7 +79,7 @@ def load_trained(
     if reference == "hf":
         transformers = require("transformers")
         return (
-            getattr(transformers, cls.__name__)
+            getattr(transformers, config.family.architecture(cls.__name__))  # RobertaForSequenceClassification
             .from_pretrained(str(output_dir), attn_implementation=attn_implementation)
             .eval()
         )

@@ -141,7 +141,7 @@ def save_state(state: dict[str, Any], path: Path) -> None:
 
 def load_state(path: Path) -> dict[str, Any]:
     """The state in `path`, on the CPU; a damaged file is a `FinetuneError` that says what to do.
-    It must be a regular file in the run folder (`checkpoint.bounded`): a FIFO or a link to a
+    It must be a regular file in the run folder (`storage.bounded`): a FIFO or a link to a
     device would block or never end."""
     try:
         fd = ckpt.bounded.open_regular(path, STATE_LIMIT, Path(path).parent)
