@@ -200,8 +200,8 @@ def metrics_of(out: Path) -> dict:
 
 
 def load_last(out: Path) -> dict:
-    """A run's resumable training state, `last-checkpoint.pt`."""
-    return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
+    """A run's resumable training state, `checkpoints/last-checkpoint.pt`."""
+    return torch.load(out / "checkpoints" / "last-checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 def assert_same_step_losses(run: dict, reference: dict) -> None:

@@ -57,15 +57,6 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
         }
     ),
     frozenset({"bert_port.heads", "bert_port.generation"}),
-    # free functions that take the whole recipe: hand them small value objects instead
-    frozenset(
-        {
-            "bert_port.training.recipe",
-            "bert_port.training.reporting",
-            "bert_port.training.resume",
-            "bert_port.training.run_folder",
-        }
-    ),
 ]
 
 # Known climbs (importer, imported), each to be removed.
