@@ -402,13 +402,13 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, ca
         )
     finally:
         os.close(fd)
-    assert not (out / "last-checkpoint.pt").exists()
+    assert not (out / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 def test_damaged_training_state_is_refused_on_resume(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
     assert run_finetune(*finetune_args(data, ckpt, out, "--stop-after-steps", "1")) == 0
-    state = out / "last-checkpoint.pt"
+    state = out / "checkpoints" / "last-checkpoint.pt"
     state.write_bytes(state.read_bytes()[:1000])
     assert_refused(run_finetune(*finetune_args(data, ckpt, out, "--resume")), capsys, "it is damaged", "--overwrite")
 
@@ -478,7 +478,7 @@ def test_a_learning_rate_that_blows_up_the_weights_is_caught(tmp_path, ckpt, dat
     out = tmp_path / "out"
     code = run_finetune(*finetune_args(data, ckpt, out, "--lr", "1e30", "--max-grad-norm", "0", "--warmup-steps", "0"))
     assert_refused(code, capsys, "diverged", "nothing was saved")
-    assert not (out / "model.safetensors").exists() and not (out / "last-checkpoint.pt").exists()
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 # -----------------------------------------------------------------------------------------
@@ -561,13 +561,13 @@ def test_ten_thousand_classes_stay_bounded(tmp_path, minilm_path):
     assert "confusion" not in m["best"]
     state = load_last(out)
     history_bytes = len(pickle.dumps(state["history"]))
-    sizes = {name: (out / name).stat().st_size for name in ("metrics.json", "last-checkpoint.pt")}
+    sizes = {name: (out / name).stat().st_size for name in ("metrics.json", "checkpoints/last-checkpoint.pt")}
     print(f"10,000 classes: peak RSS {peak / 2**30:.2f} GiB, {sizes}, history {history_bytes} bytes")
     # The label names alone are ~90 KB, written twice (labels and the resolved config).
     assert sizes["metrics.json"] < 1_000_000
     assert history_bytes < 100_000
     weights = sum(t.numel() * t.element_size() for t in state["model"].values())
-    assert sizes["last-checkpoint.pt"] < 3 * weights + 1_000_000  # weights, two Adam moments, a little more
+    assert sizes["checkpoints/last-checkpoint.pt"] < 3 * weights + 1_000_000  # weights, two Adam moments, a little more
     assert peak < 2.5 * 2**30
 
 
@@ -620,7 +620,7 @@ def test_kill_9_then_resume_cleans_up_and_ends_bit_identical(tmp_path, ckpt, dat
     out = tmp_path / "killed"
     args = finetune_args(data, ckpt, out, "--save-steps", "1")
     for attempt in range(kills):
-        resume = ["--resume"] if (out / "last-checkpoint.pt").is_file() else ["--overwrite"]
+        resume = ["--resume"] if (out / "checkpoints" / "last-checkpoint.pt").is_file() else ["--overwrite"]
         proc = _child(args + resume, kill_at=2)  # each attempt saves one state, then dies writing the next
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         found = temporaries(out)
@@ -659,7 +659,11 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
         import time
 
         deadline = time.monotonic() + 300
-        while not (out / "last-checkpoint.pt").exists() and child.poll() is None and time.monotonic() < deadline:
+        while (
+            not (out / "checkpoints" / "last-checkpoint.pt").exists()
+            and child.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
     finally:

@@ -23,7 +23,7 @@ from .resume import CHECKPOINTS_DIR, LAST_CHECKPOINT
 from .settings import FinetuneConfig, FinetuneError, TrainingSettings, load_config_file
 from .steps import setup_distributed
 
-__all__ = ["finetune", "predict", "run_recipe", "settings_of"]
+__all__ = ["Predictor", "finetune", "predict", "run_recipe", "settings_of"]
 
 
 def settings_of(
