@@ -172,6 +172,11 @@ def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys)
     assert {"cosine_mrr@10", "cosine_ndcg@10"} <= set(metrics["before"]) & set(metrics["after"])
     assert '"cosine_mrr@10"' in capsys.readouterr().out
     _st_model(tmp_path / "out")  # loads as a sentence-transformers folder
+    card = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")  # the model card
+    assert "library_name: sentence-transformers" in card and f"base_model: {tiny_st_folder}" in card
+    assert "- 40 training pairs, 20 held-out test pairs" in card and "- batch_size: 8" in card
+    mrr = (metrics["before"]["cosine_mrr@10"], metrics["after"]["cosine_mrr@10"])
+    assert "| cosine_mrr@10 | {:.4f} | {:.4f} |".format(*mrr) in card
     path.write_text(json.dumps({**config, "learning_rate": 1e-3}))
     assert main(["--config", str(path)]) == 2
     assert "unknown field(s) learning_rate" in capsys.readouterr().err

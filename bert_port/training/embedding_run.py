@@ -6,7 +6,8 @@
 2. retrieval on the test part before training (each statement must find its own reply among
    all test replies: MRR@10, nDCG@10, recall@k, as `InformationRetrievalEvaluator`);
 3. training with the configured loss (`mnrl` or `cached_mnrl`, in-batch negatives);
-4. retrieval again, and the model saved as a sentence-transformers folder with `metrics.json`.
+4. retrieval again, and the model saved as a sentence-transformers folder with `metrics.json`
+   and a model card (`README.md`: base model, data, settings, retrieval before and after).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from . import embedding_losses as el
 from .embedding import load_dialog_pairs, train_embedding
+from .model_card import embedding_card, write_model_card
 from .retrieval import retrieval_metrics
 
 log = logging.getLogger(__name__)
@@ -120,4 +122,5 @@ def run(config: EmbeddingRunConfig) -> dict:
         "after": after,
     }
     (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    write_model_card(embedding_card(metrics), Path(out))
     return metrics
