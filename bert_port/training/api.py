@@ -91,5 +91,7 @@ def predict(
     `predicted_value` (regression), `entities` (token classification; `texts` may be lists of
     words). `model` is a fine-tuned output folder, any classifier checkpoint, or a `Predictor`
     (load once, predict many times); `options` are `Predictor.load`'s."""
+    if isinstance(model, Predictor) and options:
+        raise TypeError(f"options {', '.join(sorted(options))} are Predictor.load's; pass them when loading it")
     predictor = model if isinstance(model, Predictor) else Predictor.load(Path(model), **options)
     return predictor(texts, pairs)

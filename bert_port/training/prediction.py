@@ -70,6 +70,9 @@ class Predictor:
         from ..classifier import BertForSequenceClassification
         from ..heads import BertForTokenClassification
 
+        unknown = sorted(set(options) - {"threshold", "batch_size", "bf16", "threads"})
+        if unknown:
+            raise TypeError(f"Predictor.load got unknown option(s) {', '.join(unknown)}")
         try:
             where = resolve_device(device, what="device")
         except ValueError as exc:
@@ -94,17 +97,8 @@ class Predictor:
         # Not the training run's max_length: transformers' pipeline and CrossEncoder read up to this limit.
         limit = min(tokenizer.truncation["max_length"], config.max_position_embeddings)
         strategy = aggregation_strategy or "first"
-        return cls(
-            model,
-            tokenizer,
-            problem,
-            names,
-            max_length or limit,
-            where,
-            chosen,
-            aggregation_strategy=strategy,
-            **options,
-        )
+        found = (model, tokenizer, problem, names, max_length or limit, where, chosen)
+        return cls(*found, aggregation_strategy=strategy, **options)
 
     @property
     def tagger(self) -> bool:
