@@ -120,20 +120,25 @@ def _resumed(config: EmbeddingRunConfig) -> dict | None:
     return state
 
 
+def _encoder_and_loss(config: EmbeddingRunConfig):
+    """The encoder to train, from the configured checkpoint, and its loss."""
+    from ..sentence import SentenceEncoder
+
+    encoder = SentenceEncoder.from_pretrained(_checkpoint(config.checkpoint))
+    kwargs = {"scale": config.scale, "symmetric": config.symmetric}
+    if config.loss == "cached_mnrl":
+        kwargs["mini_batch_size"] = config.mini_batch_size
+    return encoder, LOSSES[config.loss](encoder, **kwargs)
+
+
 def run(config: EmbeddingRunConfig) -> dict:
     """Steps 1 to 4 of the module docstring; returns what `metrics.json` holds (`status`
     "stopped" at `stop_after_steps`, with no model saved yet)."""
     import torch
 
-    from ..sentence import SentenceEncoder
-
     state = _resumed(config)
     train, test = split_pairs(DATASETS[config.dataset](), config.test_pairs, config.seed, config.max_train_pairs)
-    encoder = SentenceEncoder.from_pretrained(_checkpoint(config.checkpoint))
-    kwargs = {"scale": config.scale, "symmetric": config.symmetric}
-    if config.loss == "cached_mnrl":
-        kwargs["mini_batch_size"] = config.mini_batch_size
-    loss = LOSSES[config.loss](encoder, **kwargs)
+    encoder, loss = _encoder_and_loss(config)
     optimizer = torch.optim.AdamW(encoder.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     done = {"step_losses": [], "evaluations": [], "train_seconds": 0.0, "step": 0}
     if state is not None:
