@@ -2,6 +2,7 @@
 pairs with in-batch negatives, and report retrieval on held-out pairs before and after.
 
     bert-port-train-embedding --config configs/train_embedding_dialog_minilm.json
+    bert-port-train-embedding --config ... --eval-steps 50 --stop-after-steps 50   (then the same plus --resume)
 
 The output folder is a sentence-transformers folder (`SentenceTransformer(folder)` and
 `SentenceEncoder.from_pretrained(folder)` load it) with `metrics.json`. The recipe is
