@@ -200,8 +200,84 @@ def metrics_of(out: Path) -> dict:
 
 
 def load_last(out: Path) -> dict:
-    """A run's resumable training state, `last-checkpoint.pt`."""
-    return torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
+    """A run's resumable training state, `checkpoints/last-checkpoint.pt`."""
+    return torch.load(out / "checkpoints" / "last-checkpoint.pt", map_location="cpu", weights_only=True)
+
+
+# -- the fine-tuning tests' data, tiny models and flags (test_finetune*.py) ---------------
+
+
+@pytest.fixture(scope="module")
+def sms_files(tmp_path_factory) -> dict[str, Path]:
+    """Slices of the bundled SMS split as files: 37 training messages (not a multiple of
+    the batch or of 2 processes, so padding and the short last batch are exercised);
+    validation and test of 16 ham and 8 spam each. One file per format."""
+    root = tmp_path_factory.mktemp("sms")
+    from bert_port.data import builtin_splits, write_texts
+
+    splits = builtin_splits("sms")
+
+    def mixed(ds):
+        ham = [i for i, label in enumerate(ds.labels) if label == "ham"][:16]
+        return ds.subset(sorted(ham + [i for i, label in enumerate(ds.labels) if label == "spam"][:8]))
+
+    return {
+        "train": write_texts(splits["train"].subset(range(37)), root / "train.csv"),
+        "validation": write_texts(mixed(splits["validation"]), root / "validation.jsonl"),
+        "test": write_texts(mixed(splits["test"]), root / "test.tsv"),
+    }
+
+
+def _tiny_checkpoint(root: Path, minilm_path: Path, dropout: float) -> Path:
+    """A randomly initialised small BERT with the real MiniLM vocabulary and tokenizer."""
+    from bert_port import BertConfig, BertModel
+
+    config = {**TINY, "vocab_size": 30522, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    torch.manual_seed(0)
+    model = BertModel(BertConfig.from_dict(config))
+    model.source_dir = minilm_path
+    return model.save_pretrained(root)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory, minilm_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "no_dropout": _tiny_checkpoint(root / "d0", minilm_path, 0.0),
+        "dropout": _tiny_checkpoint(root / "d1", minilm_path, 0.1),
+    }
+
+
+def tiny_args(sms_files, checkpoint, output_dir, *extra) -> list[str]:
+    return [
+        "--checkpoint",
+        checkpoint,
+        "--train",
+        sms_files["train"],
+        "--validation",
+        sms_files["validation"],
+        "--test",
+        sms_files["test"],
+        "--output-dir",
+        output_dir,
+        "--max-length",
+        "32",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "2",
+        *extra,
+    ]
+
+
+def assert_same_weights(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        torch.testing.assert_close(value, b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def assert_same_step_losses(run: dict, reference: dict) -> None:

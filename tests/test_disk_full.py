@@ -132,7 +132,7 @@ def test_fine_tuning_onto_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(
     err = capsys.readouterr().err
     assert code == 2, err
     _one_error_line(err, "no space left", "--resume")
-    state = torch.load(out / "last-checkpoint.pt", map_location="cpu", weights_only=True)
+    state = torch.load(out / "checkpoints" / "last-checkpoint.pt", map_location="cpu", weights_only=True)
     assert state["progress"]["global_step"] >= 1  # the last good state, whole
     assert not _temporaries(out)
 

@@ -172,6 +172,39 @@ def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys)
     assert {"cosine_mrr@10", "cosine_ndcg@10"} <= set(metrics["before"]) & set(metrics["after"])
     assert '"cosine_mrr@10"' in capsys.readouterr().out
     _st_model(tmp_path / "out")  # loads as a sentence-transformers folder
+    card = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")  # the model card
+    assert "library_name: sentence-transformers" in card and f"base_model: {tiny_st_folder}" in card
+    assert "- 40 training pairs, 20 held-out test pairs" in card and "- batch_size: 8" in card
+    mrr = (metrics["before"]["cosine_mrr@10"], metrics["after"]["cosine_mrr@10"])
+    assert "| cosine_mrr@10 | {:.4f} | {:.4f} |".format(*mrr) in card
     path.write_text(json.dumps({**config, "learning_rate": 1e-3}))
     assert main(["--config", str(path)]) == 2
     assert "unknown field(s) learning_rate" in capsys.readouterr().err
+
+
+def test_train_embedding_run_stops_and_resumes_as_one_run(tiny_st_folder, tmp_path, capsys):
+    """Stopped after 2 of 5 steps and resumed: the same step losses and retrieval evaluations
+    (every 2 steps) as the run that never stopped, bit for bit; the stopped run leaves its state
+    in checkpoints/ and no model; a resume with other settings is one clear line."""
+    import json
+
+    from bert_port.cli.train_embedding import main
+
+    config = {"checkpoint": str(tiny_st_folder), "test_pairs": 20, "max_train_pairs": 40, "batch_size": 8}
+    config.update({"max_steps": 5, "lr": 1e-3, "eval_steps": 2})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    assert main(["--config", str(path), "--output-dir", str(tmp_path / "full")]) == 0
+    split = ["--config", str(path), "--output-dir", str(tmp_path / "split")]
+    assert main([*split, "--stop-after-steps", "2"]) == 0
+    assert "continue with the same command plus --resume" in capsys.readouterr().out
+    assert (tmp_path / "split" / "checkpoints" / "last-checkpoint.pt").is_file()
+    assert not (tmp_path / "split" / "model.safetensors").exists()
+    assert main([*split, "--resume", "--max-steps", "6"]) == 2
+    assert "max_steps differ from the run that wrote it" in capsys.readouterr().err
+    assert main([*split, "--resume"]) == 0
+    full, resumed = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("full", "split"))
+    assert resumed["status"] == full["status"] == "completed" and len(full["step_losses"]) == 5
+    assert resumed["step_losses"] == full["step_losses"]
+    assert [e["step"] for e in full["evaluations"]] == [2, 4] and resumed["evaluations"] == full["evaluations"]
+    assert resumed["before"] == full["before"] and resumed["after"] == full["after"]

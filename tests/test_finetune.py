@@ -1,101 +1,21 @@
-"""bert-port-finetune / bert-port-predict end to end: a real run on SMS spam, torchrun with
-2 CPU processes against 1, interrupt and resume, the saved checkpoint in transformers,
-predictions as CSV and JSONL, the bundled splits, and clear errors for bad data."""
+"""bert-port-finetune / bert-port-predict end to end on the real all-MiniLM-L6-v2 and SMS spam:
+the run well above chance, the saved checkpoint in transformers, predictions as CSV and JSONL,
+the model folder (the model, its card, the resume state apart in checkpoints/), and the Python
+API (`training.api.finetune` and `predict`) that the commands wrap."""
 
 from __future__ import annotations
 
 import csv
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_same_step_losses, load_last, metrics_of, run_finetune
+from conftest import metrics_of, run_finetune, tiny_args
 
-from bert_port import BertConfig, BertModel
-from bert_port.assets import config_dir
-from bert_port.cli import finetune as finetune_cli
 from bert_port.cli import predict as predict_cli
-from bert_port.data import builtin_splits, load_mr, load_sms, write_texts
-from bert_port.training import FinetuneConfig, StopRequest, load_config_file
-from bert_port.training.run_folder import RUN_LOCK
-
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = config_dir()
-
-
-@pytest.fixture(scope="module")
-def sms_files(tmp_path_factory) -> dict[str, Path]:
-    """Slices of the bundled SMS split as files: 37 training messages (not a multiple of
-    the batch or of 2 processes, so padding and the short last batch are exercised);
-    validation and test of 16 ham and 8 spam each. One file per format."""
-    root = tmp_path_factory.mktemp("sms")
-    splits = builtin_splits("sms")
-
-    def mixed(ds):
-        ham = [i for i, label in enumerate(ds.labels) if label == "ham"][:16]
-        return ds.subset(sorted(ham + [i for i, label in enumerate(ds.labels) if label == "spam"][:8]))
-
-    return {
-        "train": write_texts(splits["train"].subset(range(37)), root / "train.csv"),
-        "validation": write_texts(mixed(splits["validation"]), root / "validation.jsonl"),
-        "test": write_texts(mixed(splits["test"]), root / "test.tsv"),
-    }
-
-
-def _tiny_checkpoint(root: Path, minilm_path: Path, dropout: float) -> Path:
-    """A randomly initialised small BERT with the real MiniLM vocabulary and tokenizer."""
-    config = {**TINY, "vocab_size": 30522, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    torch.manual_seed(0)
-    model = BertModel(BertConfig.from_dict(config))
-    model.source_dir = minilm_path
-    return model.save_pretrained(root)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoints(tmp_path_factory, minilm_path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        "no_dropout": _tiny_checkpoint(root / "d0", minilm_path, 0.0),
-        "dropout": _tiny_checkpoint(root / "d1", minilm_path, 0.1),
-    }
-
-
-def tiny_args(sms_files, checkpoint, output_dir, *extra) -> list[str]:
-    return [
-        "--checkpoint",
-        checkpoint,
-        "--train",
-        sms_files["train"],
-        "--validation",
-        sms_files["validation"],
-        "--test",
-        sms_files["test"],
-        "--output-dir",
-        output_dir,
-        "--max-length",
-        "32",
-        "--batch-size",
-        "8",
-        "--epochs",
-        "2",
-        "--lr",
-        "1e-3",
-        "--warmup-steps",
-        "2",
-        *extra,
-    ]
-
-
-def assert_same_weights(a: dict, b: dict, **tol) -> None:
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        torch.testing.assert_close(value, b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
-
+from bert_port.data import TextDataset, builtin_splits, write_texts
+from bert_port.training import FinetuneError, api
 
 # -----------------------------------------------------------------------------------------
 # A real run: all-MiniLM-L6-v2 on SMS spam
@@ -163,18 +83,20 @@ def test_real_run_on_sms_spam_is_well_above_chance(sms_run):
     assert validation["macro_f1"] >= 0.8
     assert m["status"] == "completed" and m["global_step"] == 24
     assert sum(s["loss"] for s in m["steps"][-6:]) < sum(s["loss"] for s in m["steps"][:6])
-    # The outputs the issue asks for.
+    # The model folder: the model, its card and the run's reports; the resume state apart.
     for name in (
         "config.json",
         "model.safetensors",
         "tokenizer.json",
         "vocab.txt",
+        "README.md",
         "metrics.json",
         "training_curves.png",
         "training_config.json",
-        "last-checkpoint.pt",
+        "checkpoints/last-checkpoint.pt",
     ):
         assert (sms_run / name).is_file(), name
+    assert not list(sms_run.glob("*.pt")), "the resume state belongs in checkpoints/, not beside the model"
     assert (sms_run / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = json.loads((sms_run / "training_config.json").read_text())
     assert resolved["batch_size"] == 8 and resolved["labels"] == ["ham", "spam"] and resolved["total_steps"] == 24
@@ -225,256 +147,61 @@ def test_predict_cli_writes_labels_and_probabilities(sms_run, tmp_path, suffix, 
     for p in probs:
         assert abs(sum(p) - 1) < 1e-5
     assert "wrote 2 predictions" in capsys.readouterr().out
-
-
-# -----------------------------------------------------------------------------------------
-# torchrun, gradient accumulation, resume (a tiny random model with the real tokenizer)
+    # The command is a wrapper over the Python API: the same rows, without a file.
+    api_rows = api.predict(sms_run, texts)
+    assert [r["predicted_label"] for r in api_rows] == [r["predicted_label"] for r in rows]
+    torch.testing.assert_close(
+        torch.tensor([[r["probabilities"]["ham"], r["probabilities"]["spam"]] for r in api_rows]),
+        torch.tensor(probs, dtype=torch.float32),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_equal_one(tmp_path, sms_files, tiny_checkpoints):
-    """Same global batch of 8: one process, one process accumulating 2 micro-batches, and
-    torchrun with 2 gloo processes of 4 each give the same losses, weights and metrics.
-    37 examples: the last step holds 5, and process 1 gets a padding repeat of weight 0.
-    With the recipe's options: evaluations every 4 steps, a cosine schedule, early stopping."""
-    ckpt = tiny_checkpoints["no_dropout"]
-    options = ("--eval-steps", "4", "--lr-scheduler-type", "cosine", "--early-stopping-patience", "5")
-    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "one", *options)) == 0
-    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "accum", "--grad-accum-steps", "2", *options)) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    args = tiny_args(sms_files, ckpt, tmp_path / "ddp", "--device", "cpu", *options)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "bert_port.cli.finetune",
-        *map(str, args),
+def test_model_card_describes_the_run(sms_run, minilm_path):
+    """README.md as transformers' Trainer writes one: metadata the Hub reads, then the base model,
+    the data, the settings and every evaluation, each figure the one in metrics.json."""
+    card = (sms_run / "README.md").read_text(encoding="utf-8")
+    m = metrics_of(sms_run)
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    assert "library_name: transformers" in front and "pipeline_tag: text-classification" in front
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in front  # the bundled checkpoint, by its Hub id
+    assert "- train: 192" in body and "- validation: 96" in body and "- labels: ham, spam" in body
+    assert f"- learning_rate: {m['config']['lr']}" in body and "- train_batch_size: 8" in body
+    for e in m["evaluations"]:
+        v = e["validation"]
+        assert f"| {e['step']} | {e['epoch']} | {e['train_loss']:.4f} | {v['loss']:.4f} |" in body
+        assert f"macro_f1 {v['macro_f1']:.4f}" in body
+    assert f"macro_f1 {m['best']['value']:.4f}" in body
+
+
+def test_python_api_trains_and_predicts_as_the_commands(tmp_path, sms_files, tiny_checkpoints, capsys):
+    """`api.finetune(settings, **overrides)` is `bert-port-finetune` with the same settings (the
+    same step losses, bit for bit), and `api.predict` writes what `bert-port-predict` writes."""
+    args = tiny_args(sms_files, tiny_checkpoints["dropout"], tmp_path / "cli", "--epochs", "1")
+    assert run_finetune(*args) == 0
+    flags = dict(zip(args[::2], args[1::2]))
+    settings = {k.removeprefix("--").replace("-", "_"): str(v) for k, v in flags.items()}
+    typed = {"max_length": 32, "batch_size": 8, "epochs": 1, "lr": 1e-3, "warmup_steps": 2}
+    metrics = api.finetune({**settings, **typed}, output_dir=str(tmp_path / "api"))
+    cli = metrics_of(tmp_path / "cli")
+    assert metrics["status"] == "completed" and [s["loss"] for s in metrics["steps"]] == [
+        s["loss"] for s in cli["steps"]
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = metrics_of(tmp_path / "one")
-    assert one["config"]["steps_per_epoch"] == 5 and one["global_step"] == 10
-    assert [e["step"] for e in one["evaluations"]] == [4, 8, 10]
-    for other in ("accum", "ddp"):
-        m = metrics_of(tmp_path / other)
-        weights, reference = load_last(tmp_path / other)["model"], load_last(tmp_path / "one")["model"]
-        print(
-            f"{other} vs one process: step-loss |diff| max "
-            f"{max(abs(a['loss'] - b['loss']) for a, b in zip(m['steps'], one['steps'])):.2e}, weight |diff| max "
-            f"{max(float((weights[k] - reference[k]).abs().max()) for k in reference):.2e}"
-        )
-        assert m["config"]["world_size"] == (2 if other == "ddp" else 1)
-        assert_same_step_losses(m, one)
-        assert len(m["evaluations"]) == len(one["evaluations"]) and m["early_stopping"] == one["early_stopping"]
-        for a, b in zip(m["evaluations"], one["evaluations"]):
-            assert a["validation"]["per_class"] == b["validation"]["per_class"]
-            assert abs(a["validation"]["loss"] - b["validation"]["loss"]) < 1e-5
-        assert m["best"]["confusion"] == one["best"]["confusion"]
-        assert m["test"]["confusion"] == one["test"]["confusion"]
-        assert_same_weights(weights, reference, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("stop_after", [3, 5])  # mid-epoch; at the end of epoch 1, before its evaluation
-def test_interrupt_and_resume_equals_uninterrupted(tmp_path, sms_files, tiny_checkpoints, stop_after):
-    """With dropout on, so the restored RNG matters: stop after N steps, resume, and get
-    the same weights, per-step losses and evaluations as a run that never stopped."""
-    ckpt = tiny_checkpoints["dropout"]
-    assert run_finetune(*tiny_args(sms_files, ckpt, tmp_path / "full")) == 0
-    args = tiny_args(sms_files, ckpt, tmp_path / "split")
-    assert run_finetune(*args, "--stop-after-steps", stop_after) == 0
-    stopped = metrics_of(tmp_path / "split")
-    assert stopped["status"] == "stopped" and stopped["global_step"] == stop_after
-    assert load_last(tmp_path / "split")["progress"]["global_step"] == stop_after
-    assert run_finetune(*args, "--resume") == 0
-    full, resumed = metrics_of(tmp_path / "full"), metrics_of(tmp_path / "split")
-    assert resumed["status"] == "completed"
-    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"]]
-    assert [e["validation"] for e in resumed["evaluations"]] == [e["validation"] for e in full["evaluations"]]
-    assert resumed["test"] == full["test"]
-    assert_same_weights(load_last(tmp_path / "split")["model"], load_last(tmp_path / "full")["model"], atol=0, rtol=0)
-
-
-def test_freeze_encoder_and_bf16_train_only_the_head(tmp_path, sms_files, tiny_checkpoints):
-    from bert_port.classifier import BertForSequenceClassification
-
-    out = tmp_path / "frozen"
+    assert metrics["evaluations"][-1]["validation"] == cli["evaluations"][-1]["validation"]
+    texts = ["free entry to win cash", "call me later"]
+    source = tmp_path / "in.csv"
+    write_texts(TextDataset(texts=texts), source)
     assert (
-        run_finetune(
-            *tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--epochs", "1", "--freeze-encoder", "--bf16")
+        predict_cli.main(
+            ["--model", str(tmp_path / "api"), "--input", str(source), "--output", str(tmp_path / "p.jsonl")]
         )
         == 0
     )
-    trained = BertForSequenceClassification.from_pretrained(out).state_dict()
-    base = BertModel.from_pretrained(tiny_checkpoints["dropout"]).state_dict()
-    assert_same_weights({k: trained["bert." + k] for k in base}, base, atol=0, rtol=0)
-    state = load_last(out)["optimizer"]
-    assert [n for g in state["param_groups"] for n in g["names"]] == ["classifier.weight", "classifier.bias"]
-    assert all(float(s["exp_avg"].abs().sum()) > 0 for s in state["state"].values())  # the head was trained
-    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in metrics_of(out)["steps"])
-
-
-def test_checkpoint_writes_leave_no_temporary_files(tmp_path, sms_files, tiny_checkpoints):
-    out = tmp_path / "run"
-    args = tiny_args(sms_files, tiny_checkpoints["no_dropout"], out, "--epochs", "1", "--save-steps", "2")
-    assert run_finetune(*args) == 0
-    hidden = [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
-    assert hidden == [RUN_LOCK]  # the run's lock file, and no temporary
-    assert load_last(out)["progress"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 5}
-
-
-def test_resume_refuses_changed_settings(tmp_path, sms_files, tiny_checkpoints, capsys):
-    args = tiny_args(sms_files, tiny_checkpoints["no_dropout"], tmp_path / "run")
-    assert run_finetune(*args, "--stop-after-steps", "1") == 0
-    assert run_finetune(*args, "--resume", "--batch-size", "4") == 2
-    err = capsys.readouterr().err
-    assert "batch_size: checkpoint 8, now 4" in err and "start a new --output-dir" in err
-    assert run_finetune(*args) == 2  # neither --resume nor --overwrite: the run is not clobbered
-    assert "already holds a fine-tuning run" in capsys.readouterr().err
-
-
-def test_ctrl_c_requests_a_stop_instead_of_killing():
-    before = signal.getsignal(signal.SIGINT)
-    with StopRequest() as stop:
-        os.kill(os.getpid(), signal.SIGINT)  # handled: no KeyboardInterrupt
-        assert stop.requested
-        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C aborts
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before
-
-
-# -----------------------------------------------------------------------------------------
-# Data
-
-
-def test_bundled_splits_are_fixed_documented_and_disjoint():
-    mr = builtin_splits("mr")
-    assert {k: len(v) for k, v in mr.items()} == {"train": 8452, "validation": 1056, "test": 1058}
-    assert len(load_mr()) == 10566 and set(mr["train"].labels) == {"negative", "positive"}
-    assert mr["train"].texts[:3] == builtin_splits("mr")["train"].texts[:3]  # seeded, not random
-    sms = builtin_splits("sms")
-    assert {k: len(v) for k, v in sms.items()} == {"train": 3616, "validation": 452, "test": 453}
-    assert len(load_sms()) == 4521 and set(sms["test"].labels) == {"ham", "spam"}
-    for splits in (mr, sms):
-        train, val, test = (set(splits[k].texts) for k in ("train", "validation", "test"))
-        assert not (train & val) and not (train & test) and not (val & test)
-    texts = load_sms().texts  # Windows-1252 punctuation decoded, no C1 control characters left
-    assert any("that’s" in t for t in texts) and not any("\x80" <= c <= "\x9f" for t in texts for c in t)
-    # The MR file: label = sign of the score; the first sentence is positive (2.27).
-    assert load_mr().texts[0].startswith("The Rock is destined") and load_mr().labels[0] == "positive"
-
-
-def test_files_round_trip_in_every_format(tmp_path):
-    from bert_port.data import TextDataset, load_texts
-
-    texts = ['quotes "inside", a comma', "a newline\nand a\ttab", "unicode \u2028 separator, café"]
-    dataset = TextDataset(texts=texts, labels=["1", "0", "1"], pairs=["x", "y", "z"])
-    for suffix in (".csv", ".tsv", ".jsonl"):
-        back = load_texts(write_texts(dataset, tmp_path / f"d{suffix}"), text_pair_column="text_pair")
-        assert (back.texts, back.pairs, back.labels) == (dataset.texts, dataset.pairs, dataset.labels), suffix
-
-
-def test_export_dataset_writes_the_split(tmp_path, capsys):
-    assert run_finetune("--dataset", "sms", "--export-dataset", tmp_path) == 0
-    rows = list(csv.DictReader((tmp_path / "test.csv").open(encoding="utf-8")))
-    assert len(rows) == 453 and rows[0]["text"] == builtin_splits("sms")["test"].texts[0]
-
-
-def test_shipped_configs_are_valid():
-    shipped = sorted(CONFIGS.glob("finetune_*.json"))
-    assert len(shipped) >= 3
-    for path in shipped:
-        settings = load_config_file(path)
-        cfg = FinetuneConfig(**settings)
-        cfg.validate()
-        assert cfg.dataset in ("mr", "mr_scores", "sms", "sms_ner") and cfg.output_dir.startswith("runs/")
-
-
-def test_flags_override_the_config_file(tmp_path):
-    config = tmp_path / "c.json"
-    config.write_text(json.dumps({"dataset": "sms", "lr": 1e-4, "epochs": 2}))
-    cfg = finetune_cli.resolve_config(finetune_cli.build_parser().parse_args(["--config", str(config), "--lr", "3e-5"]))
-    assert (cfg.dataset, cfg.lr, cfg.epochs) == ("sms", 3e-5, 2)
-
-
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-@pytest.mark.parametrize(
-    "files, extra, message",
-    [
-        (
-            {"train": "text,sentiment\nhello,1\nbye,0\n"},
-            [],
-            "has no column 'label' (its columns: 'text', 'sentiment'); pass the right name with --label-column",
-        ),
-        ({"train": "message,label\nhello,1\nbye,0\n"}, [], "has no column 'text'"),
-        ({"train": ""}, [], "is empty; it needs a header row"),
-        ({"train": "text,label\n"}, [], "has no data rows"),
-        (
-            {"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\nsup,c\nnah,c\n"},
-            [],
-            "the validation data has label(s) never seen in training: 'c' (2 row(s), first at line 3)",
-        ),
-        ({"train": "text,label\nhi,a\nyo,\n"}, [], "1 row(s) have an empty label column 'label' (line(s) 3)"),
-        ({"train": "text,label\nhi,a\nyo,a\n"}, [], "every training example has the label 'a'"),
-        ({"train.jsonl": '{"text": "hi", "label": 1}\nnot json\n'}, [], "line 2: not valid JSON"),
-        ({"train.txt": "text,label\nhi,a\n"}, [], "unknown data format '.txt'"),
-        ({}, ["--train", "nowhere.csv"], "does not exist"),
-        ({}, [], "no training data: pass --train FILE"),
-        (
-            {"train": "text,label\nhi,a\nyo,b\n", "validation": "text,label\nhey,a\n"},
-            ["--batch-size", "3", "--grad-accum-steps", "2"],
-            "batch_size 3 must be a multiple of grad_accum_steps x processes = 2 x 1",
-        ),
-    ],
-    ids=[
-        "missing-label-column",
-        "missing-text-column",
-        "empty-file",
-        "header-only",
-        "unseen-validation-label",
-        "empty-label",
-        "one-label",
-        "bad-jsonl",
-        "bad-extension",
-        "missing-file",
-        "no-data",
-        "indivisible-batch",
-    ],
-)
-def test_bad_data_gives_a_clear_error(tmp_path, capsys, tiny_checkpoints, files, extra, message):
-    args = ["--checkpoint", tiny_checkpoints["no_dropout"], "--output-dir", tmp_path / "out", "--max-length", "16"]
-    for key, text in files.items():
-        name = key if "." in key else f"{key}.csv"
-        args += [f"--{name.split('.')[0]}", _write(tmp_path / name, text)]
-    assert run_finetune(*args, *extra) == 2
-    err = capsys.readouterr().err
-    assert message in err, err
-    assert not (tmp_path / "out" / "last-checkpoint.pt").exists()
-
-
-def test_predict_cli_errors(tmp_path, capsys, tiny_checkpoints):
-    base = str(tiny_checkpoints["no_dropout"])  # a base checkpoint: no label map
-    texts = str(_write(tmp_path / "in.csv", "message\nhello\n"))
-    assert predict_cli.main(["--model", base, "--input", texts, "--output", str(tmp_path / "o.csv")]) == 2
-    assert "has no column 'text'" in capsys.readouterr().err
-    assert predict_cli.main(["--model", base, "--input", texts, "--output", str(tmp_path / "o.xlsx")]) == 2
-    assert "unknown data format '.xlsx'" in capsys.readouterr().err
-    good = str(_write(tmp_path / "ok.csv", "text\nhello\n"))
-    assert predict_cli.main(["--model", base, "--input", good, "--output", str(tmp_path / "o.csv")]) == 2
-    assert "not a fine-tuned classifier" in capsys.readouterr().err
-
-
-@pytest.mark.gpu
-def test_tiny_run_on_cuda_with_bf16(tmp_path, sms_files, tiny_checkpoints):
-    out = tmp_path / "cuda"
-    assert run_finetune(*tiny_args(sms_files, tiny_checkpoints["dropout"], out, "--device", "cuda", "--bf16")) == 0
-    m = metrics_of(out)
-    assert m["config"]["device"].startswith("cuda") and m["status"] == "completed"
-    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in m["steps"])
+    written = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    predictor = api.Predictor.load(tmp_path / "api")
+    rows = api.predict(predictor, texts)
+    assert [{k: r[k] for k in ("predicted_label", "probabilities")} for r in written] == rows
+    with pytest.raises(FinetuneError, match="unknown setting"):
+        api.finetune(settings, learning_rate=1e-3)  # a typo is refused, not ignored

@@ -177,7 +177,7 @@ def test_report_to_tensorboard_without_tensorboard_is_refused_before_training(
     assert run_finetune(*finetune_args(data, ckpt, out, "--report-to", "tensorboard")) == 2
     err = capsys.readouterr().err
     assert "needs the Python package 'tensorboard'" in err and "pip install 'bert-port[tensorboard]'" in err
-    assert not (out / "last-checkpoint.pt").exists()
+    assert not (out / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 def test_without_matplotlib_the_run_trains_and_says_the_plot_was_skipped(tmp_path, data, ckpt, monkeypatch, caplog):

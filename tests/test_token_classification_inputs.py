@@ -65,7 +65,7 @@ def test_bad_tagged_data_is_one_line_and_exit_2(tmp_path, capsys, ckpt, train, v
     assert run_finetune(*args, *data, *extra) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
-    assert not (tmp_path / "out" / "last-checkpoint.pt").exists()
+    assert not (tmp_path / "out" / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 def test_aggregation_strategy_on_a_sequence_classifier_is_refused(tmp_path, capsys, minilm_path, predict_inputs):
@@ -89,4 +89,4 @@ def test_token_classification_without_seqeval_stops_before_any_work(tmp_path, ca
     assert run_finetune(*ner_args(files, ckpt, tmp_path / "out", "--epochs", "1")) == 2
     err = capsys.readouterr().err
     assert "needs the Python package 'seqeval'" in err and "pip install 'bert-port[ner]'" in err
-    assert not (tmp_path / "out" / "last-checkpoint.pt").exists()
+    assert not (tmp_path / "out" / "checkpoints" / "last-checkpoint.pt").exists()

@@ -216,12 +216,12 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, ckpt, data, ca
         )
     finally:
         os.close(fd)
-    assert not (out / "last-checkpoint.pt").exists()
+    assert not (out / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 def test_damaged_training_state_is_refused_on_resume(tmp_path, ckpt, data, capsys):
     out = tmp_path / "out"
     assert run_finetune(*finetune_args(data, ckpt, out, "--stop-after-steps", "1")) == 0
-    state = out / "last-checkpoint.pt"
+    state = out / "checkpoints" / "last-checkpoint.pt"
     state.write_bytes(state.read_bytes()[:1000])
     assert_refused(run_finetune(*finetune_args(data, ckpt, out, "--resume")), capsys, "it is damaged", "--overwrite")

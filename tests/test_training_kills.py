@@ -81,7 +81,7 @@ def test_a_learning_rate_that_blows_up_the_weights_is_caught(tmp_path, ckpt, dat
     out = tmp_path / "out"
     code = run_finetune(*finetune_args(data, ckpt, out, "--lr", "1e30", "--max-grad-norm", "0", "--warmup-steps", "0"))
     assert_refused(code, capsys, "diverged", "nothing was saved")
-    assert not (out / "model.safetensors").exists() and not (out / "last-checkpoint.pt").exists()
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoints" / "last-checkpoint.pt").exists()
 
 
 # -----------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_kill_9_then_resume_cleans_up_and_ends_bit_identical(tmp_path, ckpt, dat
     out = tmp_path / "killed"
     args = finetune_args(data, ckpt, out, "--save-steps", "1")
     for attempt in range(kills):
-        resume = ["--resume"] if (out / "last-checkpoint.pt").is_file() else ["--overwrite"]
+        resume = ["--resume"] if (out / "checkpoints" / "last-checkpoint.pt").is_file() else ["--overwrite"]
         proc = _child(args + resume, kill_at=2)  # each attempt saves one state, then dies writing the next
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         found = temporaries(out)
@@ -165,7 +165,7 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
         import time
 
         deadline = time.monotonic() + 300
-        while not (out / "last-checkpoint.pt").exists() and child.poll() is None and time.monotonic() < deadline:
+        while not (out / "checkpoints" / "last-checkpoint.pt").exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
     finally:

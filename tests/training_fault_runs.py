@@ -19,7 +19,13 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def temporaries(out: Path) -> list[Path]:
-    return [p for d in (out, out / "data") if d.is_dir() for p in d.iterdir() if TEMPORARY.fullmatch(p.name)]
+    return [
+        p
+        for d in (out, out / "data", out / "checkpoints")
+        if d.is_dir()
+        for p in d.iterdir()
+        if TEMPORARY.fullmatch(p.name)
+    ]
 
 
 def _checkpoint(root: Path, minilm_path: Path, dropout: float, **config) -> Path:

@@ -142,6 +142,6 @@ def report_ending(metrics: dict) -> list[str]:
         *lines,
         (
             f"  output: {metrics['output_dir']} (HF checkpoint, metrics.json, training_curves.png, "
-            "training_config.json, last-checkpoint.pt)"
+            "training_config.json, README.md; checkpoints/last-checkpoint.pt to resume)"
         ),
     ]

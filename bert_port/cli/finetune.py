@@ -13,7 +13,8 @@
     bert-port-finetune --config ... --reference hf --output-dir runs/hf --compare-to runs/port
     bert-port-finetune --dataset mr --export-dataset data/mr               (write the bundled split as CSV)
 
-Settings come from the dataclass defaults, then `--config FILE`, then the flags given.
+Settings come from the dataclass defaults, then `--config FILE`, then the flags given. The same
+from Python, without a subprocess: `bert_port.training.api.finetune(config, **flags)`.
 """
 
 from __future__ import annotations

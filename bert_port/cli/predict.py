@@ -25,7 +25,8 @@ The output keeps every input column and adds:
     bert-port-predict --model runs/finetune_ner_sms_minilm --input messages.txt --output entities.jsonl
 
 The text columns default to those the model was trained with (its `training_config.json`),
-else `text` and no pair.
+else `text` and no pair. The command reads and writes the files; the predictions are
+`bert_port.training.predict` (a `Predictor`), which a notebook calls without a subprocess.
 """
 
 from __future__ import annotations
@@ -37,11 +38,8 @@ import sys
 from pathlib import Path
 
 from bert_port.cli import add_threads_flag, disk_full, disk_full_line, positive_int
-from bert_port.threads import governed
 
-ACTIVATIONS = ("auto", "none", "sigmoid")
-# The activations of sentence-transformers' CrossEncoder configs that this command applies.
-_ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "none"}
+ACTIVATIONS = ("auto", "none", "sigmoid")  # bert_port.training.prediction.ACTIVATIONS
 
 
 def _probability(text: str) -> float:
@@ -126,84 +124,77 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, CheckpointError, ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return _run(args, job)
+    return _run(job)
 
 
 def _prepare(args: argparse.Namespace) -> dict:
-    """Every check before any work: the device, the output path, the input, the model's
-    label map and length; then the model and tokenizer. Returns what `_run` needs."""
-    from bert_port.classifier import BertForSequenceClassification
-    from bert_port.data import DataError, load_texts
+    """Every check before any work: the device, the output path, the input, then the model
+    (`Predictor.load`: its labels, activation and length). Returns what `_run` needs."""
     from bert_port.devices import resolve_device
-    from bert_port.problem import ProblemType, config_label_names
-    from bert_port.tokenization import load_tokenizer
-    from bert_port.training import FinetuneError, check_max_length
+    from bert_port.training import FinetuneError, Predictor, check_max_length
+    from bert_port.training.prediction import check_quantization
 
     try:
         device = resolve_device(args.device, what="--device")
     except ValueError as exc:
         raise FinetuneError(str(exc)) from None
-    _check_quantization(args, device)
+    check_quantization(args.quantization, device, args.bf16)
     out = _checked_output(args)
-    if _tagger(args):
-        return _prepare_tagging(args, device, out)
+    inputs, pairs, records = _read_input(args, _is_tagger(args))
+    options = dict(threshold=args.threshold, batch_size=args.batch_size, bf16=args.bf16, threads=args.threads)
+    predictor = Predictor.load(
+        args.model, device=str(device), max_length=args.max_length, quantization=args.quantization,
+        activation=args.activation, aggregation_strategy=args.aggregation_strategy, **options,
+    )  # fmt: skip
+    if not predictor.tagger:
+        clash = sorted({k for r in records for k in r} & set(predictor.problem.output_columns(predictor.names)))
+        if clash:
+            from bert_port.data import DataError
+
+            raise DataError(
+                f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
+                "predictions would overwrite; rename them in the input"
+            )
+        check_max_length(predictor.max_length, predictor.model.config.max_position_embeddings, pairs=pairs is not None)
+    _output_folder(out)
+    return dict(out=out, predictor=predictor, inputs=inputs, pairs=pairs, records=records)
+
+
+def _is_tagger(args: argparse.Namespace) -> bool:
+    """Whether --model is a token classifier (its inputs are read otherwise); --aggregation-strategy
+    is refused for any other before the input is read."""
+    from bert_port.checkpoint import locate_checkpoint
+    from bert_port.config import BertConfig
+    from bert_port.problem import ProblemType
+    from bert_port.training import FinetuneError
+
+    problem = ProblemType.of_config(BertConfig.from_json_file(locate_checkpoint(args.model).config_file))
+    if problem is not ProblemType.TOKEN_CLASSIFICATION and args.aggregation_strategy is not None:
+        raise FinetuneError(
+            f"--aggregation-strategy applies to token-classification models, and {args.model} is a {problem} "
+            "model; drop the flag"
+        )
+    return problem is ProblemType.TOKEN_CLASSIFICATION
+
+
+def _read_input(args: argparse.Namespace, tagger: bool) -> tuple[list, list | None, list[dict]]:
+    """(inputs, pairs, records): the texts (a tagger's may be lists of words), their second
+    segments, and the rows the output passes through."""
+    from bert_port.data import DataError, load_texts
+    from bert_port.tagged import read_tagging_inputs
+
+    if tagger:
+        inputs, records = read_tagging_inputs(args.input, args.text_column or "text")
+        if any("entities" in r for r in records):
+            raise DataError(
+                f"{args.input} already has a column 'entities', which the predictions would overwrite; rename it"
+            )
+        return inputs, None, records
     trained = _trained_settings(Path(args.model))
     text_column = args.text_column or trained.get("text_column") or "text"
     pair_column = args.text_pair_column or trained.get("text_pair_column")
     dataset = load_texts(args.input, text_column, None, pair_column, keep_records=True)
-    config, config_file = _classifier_config(args.model)
-    problem = ProblemType.of_config(config)
-    names = config_label_names(config, str(config_file))
-    clash = sorted({k for r in dataset.records for k in r} & set(problem.output_columns(names)))
-    if clash:
-        raise DataError(
-            f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
-            "predictions would overwrite; rename them in the input"
-        )
-    if args.max_length is not None:
-        check_max_length(args.max_length, config.max_position_embeddings, pairs=pair_column is not None)
-    activation = _activation(args.activation, problem, _cross_encoder_activation(Path(config_file).parent, config))
-    model = BertForSequenceClassification.from_pretrained(args.model, quantization=args.quantization)
-    tokenizer = load_tokenizer(model.source_dir)
-    # Not the training run's max_length: transformers' pipeline and CrossEncoder read up to this limit.
-    limit = min(tokenizer.truncation["max_length"], config.max_position_embeddings)
-    max_length = args.max_length if args.max_length is not None else limit
-    check_max_length(max_length, config.max_position_embeddings, pairs=pair_column is not None)
-    _output_folder(out)
-    return dict(
-        device=device,
-        out=out,
-        dataset=dataset,
-        problem=problem,
-        names=names,
-        max_length=max_length,
-        activation=activation,
-        model=model,
-        tokenizer=tokenizer,
-    )
-
-
-def _classifier_config(model_dir: str):
-    """The classifier's config and its file; default labels (LABEL_i) where transformers 5 wrote
-    none, as its pipeline reads them; a `ConfigError` for a model that is no classifier."""
-    from bert_port.checkpoint import locate_checkpoint
-    from bert_port.config import BertConfig, ConfigError
-
-    config_file = locate_checkpoint(model_dir).config_file
-    config = BertConfig.from_json_file(config_file)
-    if not config.id2label and _is_sequence_classifier(config):
-        config.id2label = {i: f"LABEL_{i}" for i in range(config.num_labels)}
-    if not config.id2label:
-        raise ConfigError(
-            f"{model_dir} has no id2label in its config.json: it is not a fine-tuned classifier. "
-            "Pass the output directory of bert-port-finetune"
-        )
-    return config, config_file
-
-
-def _is_sequence_classifier(config) -> bool:
-    """Whether config.json's `architectures` names a sequence classifier (saved by transformers)."""
-    return any(str(a).endswith("ForSequenceClassification") for a in config.extra.get("architectures") or ())
+    return dataset.texts, dataset.pairs, dataset.records
 
 
 def _checked_output(args: argparse.Namespace) -> Path:
@@ -222,94 +213,18 @@ def _checked_output(args: argparse.Namespace) -> Path:
     return out
 
 
-def _check_quantization(args: argparse.Namespace, device) -> None:
-    """--quantization int8 runs on the CPU in float32: refused with --bf16 or another device."""
-    from bert_port.training import FinetuneError
-
-    if args.quantization and device.type != "cpu":
-        raise FinetuneError(f"--quantization {args.quantization} runs on the CPU, not on {device}: pass --device cpu")
-    if args.quantization and args.bf16:
-        raise FinetuneError(f"--quantization {args.quantization} runs in float32 between its int8 matmuls: drop --bf16")
-
-
-def _run(args: argparse.Namespace, job: dict) -> int:
+def _run(job: dict) -> int:
     """Predict every row and write the file; a disk or OS error while writing is exit 1."""
-    from bert_port.training import predict
-
-    if "inputs" in job:
-        return _run_tagging(args, job)
-    model, dataset, problem, names, out = job["model"], job["dataset"], job["problem"], job["names"], job["out"]
-    model.to(job["device"])
-    with governed(model, args.threads if job["device"].type == "cpu" else None):
-        scores = predict(model, job["tokenizer"], dataset, args.batch_size, job["max_length"], job["device"], args.bf16)
-    if job["activation"] == "sigmoid":
-        scores = scores.sigmoid()
-    rows = [problem.prediction(names, row, args.threshold) for row in scores.tolist()]
+    predictor, records, out = job["predictor"], job["records"], job["out"]
+    rows = predictor(job["inputs"], job["pairs"])
+    if predictor.tagger:  # the record's own text stays; a pre-split input gets its words joined
+        rows = [{k: v for k, v in row.items() if k != "text" or "text" not in r} for row, r in zip(rows, records)]
     try:
-        _write_predictions(out, dataset.records, rows)
+        _write_predictions(out, records, rows)
     except OSError as exc:  # the machine, not the input (a full disk); no partial file is left
         return _write_failed(exc, out)
-    cut = _count_truncated(job["tokenizer"], dataset, job["max_length"])
-    note = f"; {cut} row(s) longer than {job['max_length']} tokens, read up to the cut" if cut else ""
-    print(f"wrote {len(rows)} predictions to {out} ({problem.summary(names, rows)}{note})")
+    print(f"wrote {len(rows)} predictions to {out} ({predictor.summary(rows)})")
     return 0
-
-
-def _count_truncated(tokenizer, dataset, max_length: int, chunk: int = 512) -> int:
-    """How many texts (or pairs) of `dataset` have more than `max_length` tokens."""
-    from bert_port.tokenization import encode
-
-    cut = 0
-    for start in range(0, len(dataset.texts), chunk):
-        pairs = dataset.pairs[start : start + chunk] if dataset.pairs is not None else None
-        batch = encode(tokenizer, dataset.texts[start : start + chunk], pairs, max_length=max_length)
-        cut += sum(bool(e.overflowing) for e in batch.encodings)
-    return cut
-
-
-def _tagger(args: argparse.Namespace) -> bool:
-    """Whether --model is a token classifier; `--aggregation-strategy` is refused for any other."""
-    from bert_port.checkpoint import locate_checkpoint
-    from bert_port.config import BertConfig
-    from bert_port.problem import ProblemType
-    from bert_port.training import FinetuneError
-
-    problem = ProblemType.of_config(BertConfig.from_json_file(locate_checkpoint(args.model).config_file))
-    if problem is not ProblemType.TOKEN_CLASSIFICATION and args.aggregation_strategy is not None:
-        raise FinetuneError(
-            f"--aggregation-strategy applies to token-classification models, and {args.model} is a {problem} "
-            "model; drop the flag"
-        )
-    return problem is ProblemType.TOKEN_CLASSIFICATION
-
-
-def _prepare_tagging(args: argparse.Namespace, device, out: Path) -> dict:
-    """A token classifier's job: its inputs (`tagged.read_tagging_inputs`), model, tokenizer, tags."""
-    from bert_port.checkpoint import locate_checkpoint
-    from bert_port.config import BertConfig
-    from bert_port.data import DataError
-    from bert_port.heads import BertForTokenClassification
-    from bert_port.problem import ProblemType, config_label_names
-    from bert_port.tagged import read_tagging_inputs
-    from bert_port.tokenization import load_tokenizer
-    from bert_port.training import check_max_length
-
-    inputs, records = read_tagging_inputs(args.input, args.text_column or "text")
-    if any("entities" in r for r in records):
-        raise DataError(
-            f"{args.input} already has a column 'entities', which the predictions would overwrite; rename it"
-        )
-    config_file = locate_checkpoint(args.model).config_file
-    names = config_label_names(BertConfig.from_json_file(config_file), str(config_file))
-    model = BertForTokenClassification.from_pretrained(args.model, quantization=args.quantization)
-    tokenizer = load_tokenizer(model.source_dir)
-    # transformers' pipeline truncates at the tokenizer's limit, not at the training length.
-    limit = min(tokenizer.truncation["max_length"], model.config.max_position_embeddings)
-    max_length = args.max_length if args.max_length is not None else limit
-    check_max_length(max_length, model.config.max_position_embeddings)
-    _output_folder(out)
-    job = dict(device=device, out=out, problem=ProblemType.TOKEN_CLASSIFICATION, names=names, max_length=max_length)
-    return {**job, "inputs": inputs, "records": records, "model": model, "tokenizer": tokenizer}
 
 
 def _write_failed(exc: OSError, out: Path) -> int:
@@ -330,32 +245,6 @@ def _output_folder(out: Path) -> None:
         raise FinetuneError(
             f"cannot create the folder of --output {out} ({exc.strerror}); choose another --output"
         ) from None
-
-
-def _run_tagging(args: argparse.Namespace, job: dict) -> int:
-    """Every input's entities (`bert_port.entities`), written beside its record."""
-    from bert_port.entities import aggregate, decoder_of
-    from bert_port.training import predict_tokens
-
-    model, tokenizer, out = job["model"].to(job["device"]), job["tokenizer"], job["out"]
-    with governed(model, args.threads if job["device"].type == "cpu" else None):
-        scored = predict_tokens(
-            model, tokenizer, job["inputs"], args.batch_size, job["max_length"], job["device"], args.bf16
-        )
-    strategy, decode = args.aggregation_strategy or "first", decoder_of(tokenizer)
-    rows = [
-        ({} if isinstance(x, str) or "text" in record else {"text": s.text})
-        | {"entities": aggregate(s, strategy, job["names"], decode)}
-        for x, record, s in zip(job["inputs"], job["records"], scored)
-    ]
-    try:
-        _write_predictions(out, job["records"], rows)
-    except OSError as exc:
-        return _write_failed(exc, out)
-    cut = sum(s.truncated for s in scored)
-    note = f"; {cut} text(s) cut at {job['max_length']} tokens, untagged past the cut" if cut else ""
-    print(f"wrote {len(rows)} predictions to {out} ({job['problem'].summary(job['names'], rows)}{note})")
-    return 0
 
 
 def _write_predictions(out: Path, records: list[dict], rows: list[dict]) -> None:
@@ -393,50 +282,6 @@ def _trained_settings(model_dir: Path) -> dict:
                 f"{path} holds {key} {settings[key]!r}, not a column name; pass --{key.replace('_', '-')}"
             )
     return settings
-
-
-def _cross_encoder_activation(model_dir: Path, config) -> str | None:
-    """The activation a sentence-transformers CrossEncoder saved with this checkpoint, where
-    its releases keep it: `config_sentence_transformers.json` (6.x), config.json's
-    `sentence_transformers` (4.x, 5.x), `sbert_ce_default_activation_function` (older)."""
-    from bert_port.checkpoint import ST_MODEL_CONFIG
-
-    try:
-        st_config = json.loads((model_dir / ST_MODEL_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        st_config = {}
-    in_config = config.extra.get("sentence_transformers")
-    for found in (
-        st_config.get("activation_fn") if isinstance(st_config, dict) else None,
-        in_config.get("activation_fn") if isinstance(in_config, dict) else None,
-        config.extra.get("sbert_ce_default_activation_function"),
-    ):
-        if found is not None:
-            return found
-    return None
-
-
-def _activation(asked: str, problem, saved: str | None) -> str:
-    """'none' or 'sigmoid': what `--activation` comes to for this model (see the module doc);
-    `saved` is the CrossEncoder activation the checkpoint names, if any."""
-    from bert_port.problem import ProblemType
-    from bert_port.training import FinetuneError
-
-    if problem is not ProblemType.REGRESSION:
-        if asked != "auto":
-            raise FinetuneError(
-                f"--activation {asked} is for regression (score) models, and this one is {problem}: its outputs are "
-                "already probabilities. Drop --activation"
-            )
-        return "none"
-    if asked != "auto":
-        return asked
-    if saved is not None and saved not in _ST_ACTIVATIONS:
-        raise FinetuneError(
-            f"the checkpoint's CrossEncoder activation is {saved!r}, which this command does not apply (it applies "
-            "Sigmoid and Identity); pass --activation none or --activation sigmoid"
-        )
-    return _ST_ACTIVATIONS.get(saved, "none")
 
 
 if __name__ == "__main__":

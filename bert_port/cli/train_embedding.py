@@ -2,6 +2,7 @@
 pairs with in-batch negatives, and report retrieval on held-out pairs before and after.
 
     bert-port-train-embedding --config configs/train_embedding_dialog_minilm.json
+    bert-port-train-embedding --config ... --eval-steps 50 --stop-after-steps 50   (then the same plus --resume)
 
 The output folder is a sentence-transformers folder (`SentenceTransformer(folder)` and
 `SentenceEncoder.from_pretrained(folder)` load it) with `metrics.json`. The recipe is
@@ -24,11 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="JSON file of the run's settings (see configs/)")
     p.add_argument("--max-steps", type=int, default=None, help="override the config's max_steps")
     p.add_argument("--output-dir", default=None, help="override the config's output_dir")
+    p.add_argument("--eval-steps", type=int, default=None, help="retrieval on the held-out pairs every N steps too")
+    p.add_argument("--stop-after-steps", type=int, default=None, help="stop there, resumable (as if interrupted)")
+    p.add_argument("--resume", action="store_true", help="continue the stopped run in --output-dir, same settings")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from bert_port.training.embedding_run import REPORTED, EmbeddingRunConfig, run
+    from bert_port.training.settings import FinetuneError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -37,9 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    overrides = {"max_steps": args.max_steps, "output_dir": args.output_dir}
+    overrides = {"max_steps": args.max_steps, "output_dir": args.output_dir, "eval_steps": args.eval_steps}
+    overrides.update(stop_after_steps=args.stop_after_steps, resume=args.resume or None)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    metrics = run(config)
+    try:
+        metrics = run(config)
+    except (FinetuneError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if metrics["status"] == "stopped":
+        print(f"stopped after step {config.stop_after_steps}: continue with the same command plus --resume")
+        return 0
     table = {name: {"before": metrics["before"][name], "after": metrics["after"][name]} for name in REPORTED}
     print(json.dumps({"output_dir": config.output_dir, "train_seconds": metrics["train_seconds"], **table}, indent=2))
     return 0

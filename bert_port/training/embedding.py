@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -71,15 +71,23 @@ def train_embedding(
     seed: int = 0,
     label_column: bool = False,
     dropout: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    start_step: int = 0,
+    after_step: Callable[[int, float], bool] | None = None,
 ) -> list[float]:
     """Train `encoder` in place with `loss` (AdamW, constant `lr`) and return each step's loss.
     `dropout=False` trains with the model's dropout off (for a run compared step by step with
-    another implementation)."""
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(encoder.parameters(), lr=lr, weight_decay=weight_decay)
+    another implementation). To continue a run: its `optimizer` and RNG state restored, and
+    `start_step` the steps it took (their batches are skipped, the seeded order is the same).
+    `after_step(step, loss)` runs after each step (evaluations, checkpoints); True stops the run."""
+    if start_step == 0:
+        torch.manual_seed(seed)
+    optimizer = optimizer or torch.optim.AdamW(encoder.parameters(), lr=lr, weight_decay=weight_decay)
     encoder.train(dropout)
     losses = []
     for step, rows_of_batch in enumerate(batches(rows, batch_size, seed, max_steps)):
+        if step < start_step:
+            continue
         features, labels = batch_features(encoder, rows_of_batch, label_column)
         optimizer.zero_grad(set_to_none=True)
         value = loss(features, labels)
@@ -87,6 +95,8 @@ def train_embedding(
         optimizer.step()
         losses.append(float(value.detach()))
         log.info("step %d: loss %.4f", step + 1, losses[-1])
+        if after_step is not None and after_step(step + 1, losses[-1]):
+            break
     encoder.eval()
     return losses
 

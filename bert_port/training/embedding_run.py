@@ -6,7 +6,14 @@
 2. retrieval on the test part before training (each statement must find its own reply among
    all test replies: MRR@10, nDCG@10, recall@k, as `InformationRetrievalEvaluator`);
 3. training with the configured loss (`mnrl` or `cached_mnrl`, in-batch negatives);
-4. retrieval again, and the model saved as a sentence-transformers folder with `metrics.json`.
+4. retrieval again, and the model saved as a sentence-transformers folder with `metrics.json`
+   and a model card (`README.md`: base model, data, settings, retrieval before and after).
+
+What it shares with the fine-tuning recipe: the resume state's file (`resume.save_state`,
+staged; `load_state`, bounded) in `checkpoints/`, its RNG capture, and the recipe's options
+`eval_steps` (retrieval on the held-out pairs every N steps, in `metrics.json`'s
+`evaluations`), `stop_after_steps` and `resume` (continue a stopped run: the same losses as
+a run that never stopped). What it does not (yet): DDP, bf16, schedules, early stopping.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from pathlib import Path
 
 from . import embedding_losses as el
 from .embedding import load_dialog_pairs, train_embedding
+from .model_card import embedding_card, write_model_card
+from .resume import load_state, rng_state, save_state, set_rng_state, state_path
 from .retrieval import retrieval_metrics
+from .settings import FinetuneError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +57,9 @@ class EmbeddingRunConfig:
     weight_decay: float = 0.01
     seed: int = 42
     output_dir: str = "runs/train_embedding"
+    eval_steps: int | None = None  # retrieval on the test pairs every N steps, besides before and after
+    stop_after_steps: int | None = None  # stop there, resumable (as if interrupted)
+    resume: bool = False  # continue from output_dir/checkpoints/last-checkpoint.pt with the same settings
 
     @classmethod
     def from_json(cls, path: str | Path) -> EmbeddingRunConfig:
@@ -89,35 +102,88 @@ def evaluate_retrieval(encoder, test: list) -> dict[str, float]:
     return retrieval_metrics(encoder, queries, corpus, {f"q{i}": {f"d{i}"} for i in range(len(test))}, 128)
 
 
-def run(config: EmbeddingRunConfig) -> dict:
-    """Steps 1 to 4 of the module docstring; returns what `metrics.json` holds."""
+RUN_ONLY = ("output_dir", "stop_after_steps", "resume")  # may differ between a run and its resumption
+
+
+def _resumed(config: EmbeddingRunConfig) -> dict | None:
+    """The state a `resume` continues from, refused with one line if missing or of other settings."""
+    if not config.resume:
+        return None
+    path = state_path(Path(config.output_dir))
+    if not path.is_file():
+        raise FinetuneError(f"resume: no {path} (the run never stopped there); run it again without resume")
+    state = load_state(path)
+    now = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUN_ONLY}
+    differ = sorted(k for k, v in now.items() if state["config"].get(k) != v)
+    if differ:
+        raise FinetuneError(f"cannot resume from {path}: {', '.join(differ)} differ from the run that wrote it")
+    return state
+
+
+def _encoder_and_loss(config: EmbeddingRunConfig):
+    """The encoder to train, from the configured checkpoint, and its loss."""
     from ..sentence import SentenceEncoder
 
-    train, test = split_pairs(DATASETS[config.dataset](), config.test_pairs, config.seed, config.max_train_pairs)
     encoder = SentenceEncoder.from_pretrained(_checkpoint(config.checkpoint))
-    before = evaluate_retrieval(encoder, test)
-    log.info("before: %s", {k: round(before[k], 4) for k in REPORTED})
     kwargs = {"scale": config.scale, "symmetric": config.symmetric}
     if config.loss == "cached_mnrl":
         kwargs["mini_batch_size"] = config.mini_batch_size
-    loss = LOSSES[config.loss](encoder, **kwargs)
-    start = time.perf_counter()
-    losses = train_embedding(
-        encoder, loss, train, batch_size=config.batch_size, max_steps=config.max_steps, lr=config.lr,
-        weight_decay=config.weight_decay, seed=config.seed,
+    return encoder, LOSSES[config.loss](encoder, **kwargs)
+
+
+def run(config: EmbeddingRunConfig) -> dict:
+    """Steps 1 to 4 of the module docstring; returns what `metrics.json` holds (`status`
+    "stopped" at `stop_after_steps`, with no model saved yet)."""
+    import torch
+
+    state = _resumed(config)
+    train, test = split_pairs(DATASETS[config.dataset](), config.test_pairs, config.seed, config.max_train_pairs)
+    encoder, loss = _encoder_and_loss(config)
+    optimizer = torch.optim.AdamW(encoder.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    done = {"step_losses": [], "evaluations": [], "train_seconds": 0.0, "step": 0}
+    if state is not None:
+        encoder.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        done = state["done"]
+    else:
+        done["before"] = evaluate_retrieval(encoder, test)
+    log.info("before: %s", {k: round(done["before"][k], 4) for k in REPORTED})
+    out, start = Path(config.output_dir), time.perf_counter()
+
+    def after_step(step: int, value: float) -> bool:
+        done["step_losses"].append(value)
+        done["step"] = step
+        if config.eval_steps and step % config.eval_steps == 0 and step < config.max_steps:
+            done["evaluations"].append({"step": step, **evaluate_retrieval(encoder, test)})
+        if step != config.stop_after_steps or step >= config.max_steps:  # a resumed run goes on past it
+            return False
+        done["train_seconds"] += time.perf_counter() - start
+        out.mkdir(parents=True, exist_ok=True)
+        parts = {"model": encoder.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()}
+        save_state({**parts, "config": dataclasses.asdict(config), "done": done}, state_path(out))
+        return True
+
+    train_embedding(
+        encoder, loss, train, batch_size=config.batch_size, max_steps=config.max_steps, seed=config.seed,
+        optimizer=optimizer, start_step=done["step"], after_step=after_step,
     )  # fmt: skip
-    seconds = time.perf_counter() - start
-    after = evaluate_retrieval(encoder, test)
-    log.info("after: %s", {k: round(after[k], 4) for k in REPORTED})
-    out = encoder.save_pretrained(config.output_dir)
+    stopped = done["step"] < config.max_steps
+    if not stopped:
+        done["train_seconds"] += time.perf_counter() - start
+        done["after"] = evaluate_retrieval(encoder, test)
+        log.info("after: %s", {k: round(done["after"][k], 4) for k in REPORTED})
+        encoder.save_pretrained(out)
     metrics = {
+        "status": "stopped" if stopped else "completed",
         "config": dataclasses.asdict(config),
         "train_pairs": len(train),
         "test_pairs": len(test),
-        "train_seconds": round(seconds, 1),
-        "step_losses": losses,
-        "before": before,
-        "after": after,
+        **{k: v for k, v in done.items() if k != "step"},
+        "train_seconds": round(done["train_seconds"], 1),
     }
-    (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    if not stopped:
+        write_model_card(embedding_card(metrics), out)
     return metrics

@@ -37,13 +37,14 @@ from ..heads import BertForMaskedLM, BertLMHeadModel
 from ..metrics import require_items
 from ..reference import hf_twin
 from ..tokenization import SPECIAL_TOKENS, load_tokenizer
+from .api import run_recipe
 from .batching import chunks
 from .data_signal import check_blocks
 from .lm_data import BlockCollator, LMSplits, load_lm_texts, loss_function, make_blocks, target_count, token_losses
 from .lm_settings import PretrainConfig, model_config_path
 from .masking import Masking
-from .recipe import FinetuneRecipe, run_recipe
-from .reporting import write_json
+from .recipe import FinetuneRecipe
+from .reporting import resolved_config, write_json
 from .run_folder import RESOLVED_CONFIG
 from .settings import FinetuneError
 from .steps import Dist, ResumableSampler, autocast, set_seed
@@ -243,25 +244,12 @@ class PretrainRecipe(FinetuneRecipe):
         }
 
     def resolved_config(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        splits, d = self.splits, self.d
-        return {
-            **asdict(self.cfg),
-            "sizes": {
-                split: {"texts": blocks.texts, "blocks": len(blocks), "tokens": blocks.tokens}
-                for split, blocks in (("train", splits.train), ("validation", splits.validation))
-            },
-            "world_size": d.world_size,
-            "micro_batch_size": self.micro,
-            "steps_per_epoch": self.steps_per_epoch,
-            "total_steps": self.total_steps,
-            "warmup_steps": self.warmup_steps,
-            "device": str(d.device),
-            "model": type(self.model).__module__ + "." + type(self.model).__name__,
-            "tokenizer_dir": str(self.tokenizer_dir),
-            "torch": torch.__version__,
+        splits = self.splits
+        sizes = {
+            split: {"texts": blocks.texts, "blocks": len(blocks), "tokens": blocks.tokens}
+            for split, blocks in (("train", splits.train), ("validation", splits.validation))
         }
+        return resolved_config(self.cfg, self.shape(), sizes=sizes)
 
     def _write_run_files(self) -> None:
         cfg, splits = self.cfg, self.splits

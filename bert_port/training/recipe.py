@@ -1,41 +1,22 @@
-"""The fine-tuning recipe behind `bert-port-finetune`, in the manner of torchtune's recipes:
-`FinetuneRecipe` with `setup` (output folder, data, model, optimiser, schedule, resume),
-`train_epoch`, `evaluate`, `save_checkpoint`, `resume` and `cleanup`; `finetune(cfg)` runs
-it. The pieces it calls live beside it: `settings` (the options), `steps` (AdamW, the
-schedules, one optimiser step, processes, Ctrl-C), `batching`, `evaluation` (metrics per
-problem type, `predict`), `reporting` (metrics.json, the plot, TensorBoard), `run_folder`
-(the output folder's checks and lock), `resume` (`last-checkpoint.pt`) and `reference` (the
-model trained: the port's, or its transformers twin).
+"""The fine-tuning recipe behind `bert-port-finetune` and `training.api.finetune`, in the
+manner of torchtune's recipes: `FinetuneRecipe` with `setup` (output folder, data, model,
+optimiser, schedule, resume), `train_epoch`, `evaluate`, `save_checkpoint`, `resume` and
+`cleanup`. The pieces it calls live beside it (`settings`, `steps`, `batching`, `evaluation`,
+`reporting`, `run_folder`, `resume`, `reference`), and it hands them values, not itself.
 
-Evaluation. After every epoch, or with `eval_steps` every N optimiser steps (and at the
-last step); each one is appended to `metrics.json`'s `evaluations`, and the best by
-`metric_for_best` is saved in HF format. With `early_stopping_patience` K, the run ends
-after K evaluations in a row without improvement (recorded under `early_stopping`).
-
-Resume. The resumable state (`resume.py`) is written at the end of every epoch, every
-`save_steps` steps, at `stop_after_steps`, when the run ends, and when it is interrupted
-(Ctrl-C / SIGTERM stop after the current step). Every step has the same number of examples'
-worth of positions in the seeded order, so the step reached fixes the data position.
-`resume=True` continues from it and ends bit-identical to the uninterrupted run,
-evaluations and early stopping included.
-
-Faults. Every setting is checked before any work, and the data files are read in full
-before the model is built. A step whose gradient or loss is NaN or infinite stops the run
-with `DivergedError` before the optimiser takes it (under fp16 the gradient scaler skips
-such a step instead), and no weights are ever saved unless every tensor is finite. Every
-file is written under a temporary name and renamed into place, so a full disk (`ENOSPC`)
-stops the run with a `FinetuneError` and leaves the last checkpoint as it was.
-
-The language-model recipe (`pretrain.PretrainRecipe`) is this class with another task: it
-overrides what is the classifier's (`_read_data`, `_build_model_and_data`, `collate_train`,
-`loss_count`, `loss_options`, `_metrics_on`, `headline`, `task_summary`, `resolved_config`,
-`_write_run_files`) and keeps the rest.
+It evaluates every epoch or every `eval_steps`, keeps the best by `metric_for_best` in HF
+format with a model card, stops early after `early_stopping_patience` evaluations without
+improvement, and writes its resumable state to `checkpoints/` (every epoch, `save_steps`,
+`stop_after_steps`, the end, Ctrl-C), from which `resume=True` ends bit-identical to the
+uninterrupted run. A NaN step stops the run before the optimiser takes it; every file is
+staged, so a full disk leaves the last checkpoint whole. How each is tested and why:
+docs/fine-tuning.md. `pretrain.PretrainRecipe` is this class with a language model's task.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import dataclasses
 import logging
 import math
 import time
@@ -57,9 +38,12 @@ from ..tokenization import load_tokenizer
 from .batching import Collator, chunks
 from .data_signal import check_texts
 from .evaluation import evaluate
-from .reference import build_model, load_trained, require_reference, save_model
+from .history import new_history, record_evaluation, update_best
+from .model_card import finetune_card, write_model_card
+from .reference import build_model, load_trained, save_model
 from .reporting import (
     TENSORBOARD_DIR,
+    RunShape,
     TensorBoardLog,
     compare_with,
     metrics_document,
@@ -70,17 +54,19 @@ from .reporting import (
 )
 from .resume import (
     LAST_CHECKPOINT,
+    TrainingParts,
     check_resumable,
     data_identity,
     load_state,
-    new_history,
     restore,
     rng_state,
     save_state,
+    state_file,
+    state_path,
     training_state,
 )
-from .run_folder import CURVES_FILE, METRICS_FILE, RESOLVED_CONFIG, check_output_dir, lock_output_dir
-from .settings import FinetuneConfig, FinetuneError, TrainingSettings, check_max_length
+from .run_folder import CURVES_FILE, METRICS_FILE, check_output_dir, lock_output_dir
+from .settings import FinetuneConfig, FinetuneError, check_max_length
 from .splits import load_splits
 from .steps import (
     DIVERGED_ADVICE,
@@ -91,13 +77,12 @@ from .steps import (
     build_optimizer,
     build_scheduler,
     check_finite_weights,
-    setup_distributed,
     train_step,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CURVES_FILE", "LAST_CHECKPOINT", "METRICS_FILE", "RESOLVED_CONFIG", "FinetuneRecipe", "finetune"]
+__all__ = ["FinetuneRecipe"]
 
 
 class FinetuneRecipe:
@@ -108,7 +93,7 @@ class FinetuneRecipe:
     def __init__(self, cfg: FinetuneConfig, dist_info: Dist):
         self.cfg, self.d = cfg, dist_info
         self.out = Path(cfg.output_dir)
-        self.last_path = self.out / LAST_CHECKPOINT
+        self.last_path = state_path(self.out)  # where it writes; a resume may read an older run's (`state_file`)
         self.t_start = time.perf_counter()
         self.global_step = 0
         self.status = "running"
@@ -160,7 +145,7 @@ class FinetuneRecipe:
         self.splits = load_splits(cfg)
 
     def _write_run_files(self) -> None:
-        write_run_files(self)
+        write_run_files(self.out, self.cfg, self.resolved_config(), self.splits)
 
     def _check_extras_and_device(self) -> None:
         if self.cfg.report_to == "tensorboard":
@@ -211,9 +196,19 @@ class FinetuneRecipe:
         targets = self.problem.targets(dataset, self.splits.names)
         return Collator(tokenizer, dataset, self.cfg.max_length, targets)
 
+    def shape(self) -> RunShape:
+        """What the settings came to on this data and machine."""
+        model = type(self.model).__module__ + "." + type(self.model).__name__
+        return RunShape(self.d.world_size, self.micro, self.steps_per_epoch, self.total_steps, self.warmup_steps,
+                        str(self.d.device), model, str(self.source_dir))  # fmt: skip
+
     def resolved_config(self) -> dict[str, Any]:
         """The settings as run: the options, and what they came to on this data and machine."""
-        return resolved_config(self)
+        splits = self.splits
+        sizes = {"train": self.n_train, "validation": len(splits.validation), "test": len(splits.test or ())}
+        return resolved_config(
+            self.cfg, self.shape(), metric_for_best=self.cfg.metric, labels=splits.names, sizes=sizes
+        )
 
     def task_summary(self) -> dict[str, Any]:
         """What metrics.json says of the task, beside the run: the problem type and labels."""
@@ -221,7 +216,9 @@ class FinetuneRecipe:
 
     def metrics(self, status: str) -> dict[str, Any]:
         """The document written to metrics.json."""
-        return metrics_document(self, status)
+        name = f"{type(self.model).__module__.split('.')[0]} {type(self.model).__name__} on {self.cfg.dataset or self.cfg.train}"
+        header = {"name": name, "output_dir": str(self.out), "status": status, **self.task_summary()}
+        return metrics_document(header, self.resolved_config(), self.history, self.global_step)
 
     # --- checkpoints ---------------------------------------------------------------------
 
@@ -234,16 +231,23 @@ class FinetuneRecipe:
         check_finite_weights(self.model, f"step {self.global_step}")
         rngs = self.d.gather(rng_state())
         if self.d.is_main:
-            save_state(training_state(self, rngs), self.last_path)
+            self.last_path.parent.mkdir(exist_ok=True)
+            run = dict(progress=self.progress(), history=self.history, labels=self.splits.names, data=self.data)
+            save_state(training_state(self.parts(), rngs, config=dataclasses.asdict(self.cfg), **run), self.last_path)
+            (self.out / LAST_CHECKPOINT).unlink(missing_ok=True)  # an older version's, beside the model: superseded
         self.d.barrier()
 
+    def parts(self) -> TrainingParts:
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.scaler)
+
     def resume(self) -> None:
-        """Continue from `last-checkpoint.pt`, refusing settings, labels or data that changed."""
-        state = load_state(self.last_path)
-        check_resumable(state, self.cfg, self.splits.names, self.last_path)
-        restore(self, state)
+        """Continue from the last checkpoint, refusing settings, labels or data that changed."""
+        path = state_file(self.out) or self.last_path
+        state = load_state(path)
+        check_resumable(state, self.cfg, self.splits.names, path)
+        self.global_step, self.history = restore(self.parts(), state, self.d.rank, self.d.world_size)
         if self.d.is_main:
-            log.info("resumed from %s at step %d", self.last_path, self.global_step)
+            log.info("resumed from %s at step %d", path, self.global_step)
 
     # --- training ------------------------------------------------------------------------
 
@@ -369,18 +373,8 @@ class FinetuneRecipe:
     def _metrics_on(self, model: nn.Module, collate, split: str) -> dict[str, Any]:
         """`model`'s loss and metrics on one split, with this run's batch size, precision and
         problem type."""
-        cfg = self.cfg
-        return evaluate(
-            model,
-            collate,
-            self.splits.names,
-            self.d,
-            cfg.eval_batch_size,
-            cfg.bf16,
-            desc=split,
-            problem_type=cfg.problem_type,
-            fp16=cfg.fp16,
-        )
+        cfg, options = self.cfg, {"desc": split, "problem_type": self.cfg.problem_type, "fp16": self.cfg.fp16}
+        return evaluate(model, collate, self.splits.names, self.d, cfg.eval_batch_size, cfg.bf16, **options)
 
     def evaluate(self) -> dict[str, Any]:
         """Evaluate on the validation data, record it, keep the best checkpoint, and count
@@ -394,48 +388,23 @@ class FinetuneRecipe:
                 f"the validation loss {when} (step {step}) is {result['loss']}: the weights are broken. "
                 f"Nothing was saved from them; {DIVERGED_ADVICE}"
             )
-        history = self.history
-        previous = history["evaluations"][-1]["step"] if history["evaluations"] else 0
-        losses = [s["loss"] for s in history["steps"] if s["step"] > previous]
-        record = {
-            "epoch": epoch + (rest > 0),
-            "step": step,
-            "train_loss": sum(losses) / len(losses) if losses else None,  # since the previous evaluation
-            # The confusion matrix is kept for the best evaluation only (below), not every one.
-            "validation": {k: v for k, v in result.items() if k != "confusion"},
-        }
-        history["evaluations"].append(record)
+        record = record_evaluation(self.history, result, step, self.steps_per_epoch)
         better = self._update_best(result, record)
         if d.is_main:
             headline = ", ".join(f"{m} {result[m]:.4f}" for m in self.headline)
-            log.info(
-                "step %d: validation loss %.4f, %s%s",
-                step,
-                result["loss"],
-                headline,
-                " (best so far)" if better else "",
-            )
+            log.info("step %d: validation loss %.4f, %s%s", step, result["loss"], headline, " (best so far)" * better)
             if self.tensorboard is not None:
                 self.tensorboard.evaluation(record)
             write_json(self.metrics("running"), self.out / METRICS_FILE)
         return record
 
     def _update_best(self, result: dict[str, Any], record: dict[str, Any]) -> bool:
-        metric, best, stopping = self.cfg.metric, self.history["best"], self.history["early_stopping"]
-        value = result[metric]
-        better = best is None or (value < best["value"] if metric == "loss" else value > best["value"])
-        if not better:
-            stopping["evaluations_without_improvement"] += 1
-            patience = self.cfg.early_stopping_patience
-            if patience is not None and stopping["evaluations_without_improvement"] >= patience:
-                stopping.update(stopped_early=True, stopped_at_step=record["step"])
-                if self.d.is_main:
-                    log.info("early stopping: %d evaluation(s) without a better %s", patience, metric)
+        """Record the evaluation as the best (and save the model) or count it towards early stopping."""
+        if not update_best(self.history, result, record, self.cfg.metric):
+            if self.history["early_stopping"]["stopped_early"] and self.d.is_main:
+                log.info("early stopping: %d evaluation(s) without a better %s", self.cfg.early_stopping_patience,
+                         self.cfg.metric)  # fmt: skip
             return False
-        stopping["evaluations_without_improvement"] = 0
-        self.history["best"] = {"epoch": record["epoch"], "step": record["step"], "metric": metric, "value": value}
-        if "confusion" in result:
-            self.history["best"]["confusion"] = result["confusion"]
         check_finite_weights(self.model, f"step {record['step']}")
         if self.d.is_main:
             save_model(self.model, self.out, self.source_dir)
@@ -460,6 +429,8 @@ class FinetuneRecipe:
             write_json(metrics, self.out / METRICS_FILE)
             if metrics["steps"]:
                 plot_curves(metrics, self.out / CURVES_FILE)
+            if self.history["best"]:  # a card beside the weights it describes
+                write_model_card(finetune_card(metrics), self.out)
         d.barrier()
         return metrics
 
@@ -470,33 +441,3 @@ class FinetuneRecipe:
             self.tensorboard = None
         if self.d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Run the fine-tuning job `cfg` (under torchrun, as one of its processes). Returns the
-    metrics written to `metrics.json`; `status` is "completed" (early stopping included) or
-    "stopped" (interrupted or `stop_after_steps`; continue with `resume=True`). A full disk
-    is a `FinetuneError`: every write is staged, so the last checkpoint is intact."""
-    return run_recipe(FinetuneRecipe, cfg)
-
-
-def run_recipe(recipe_class: type[FinetuneRecipe], cfg: TrainingSettings) -> dict[str, Any]:
-    """Check `cfg`, then set up and train `recipe_class(cfg)` in this process of the job;
-    a full disk is a `FinetuneError`, since every write is staged and the last checkpoint intact."""
-    cfg.validate()
-    require_reference(cfg.reference)
-    recipe = recipe_class(cfg, setup_distributed(cfg.device))
-    try:
-        with contextlib.ExitStack() as stack:
-            recipe.setup(stack)
-            return recipe.train()
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise FinetuneError(
-            f"no space left on the device of {cfg.output_dir} ({exc.strerror}{f': {exc.filename}' if exc.filename else ''}) "
-            f"at step {recipe.global_step}; nothing was half-written, and {LAST_CHECKPOINT} holds the last "
-            "checkpoint. Free some space, then continue with --resume"
-        ) from None
-    finally:
-        recipe.cleanup()

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,9 +18,6 @@ from ..extras import MissingExtra, install_hint, require
 from ..problem import ProblemType
 from ..tagged import write_split
 from .run_folder import DATA_DIR, RESOLVED_CONFIG
-
-if TYPE_CHECKING:
-    from .recipe import FinetuneRecipe
 
 log = logging.getLogger(__name__)
 
@@ -179,71 +176,68 @@ def compare_runs(metrics: dict[str, Any], other: dict[str, Any]) -> dict[str, An
     }
 
 
-def resolved_config(run: FinetuneRecipe) -> dict[str, Any]:
-    """The settings as run: the options, and what they came to on this data and machine."""
-    splits, model = run.splits, run.model
-    return {
-        **dataclasses.asdict(run.cfg),
-        "metric_for_best": run.cfg.metric,
-        "labels": splits.names,
-        "sizes": {
-            "train": run.n_train,
-            "validation": len(splits.validation),
-            "test": len(splits.test) if splits.test else 0,
-        },
-        "world_size": run.d.world_size,
-        "micro_batch_size": run.micro,
-        "steps_per_epoch": run.steps_per_epoch,
-        "total_steps": run.total_steps,
-        "warmup_steps": run.warmup_steps,
-        "device": str(run.d.device),
-        "model": type(model).__module__ + "." + type(model).__name__,
-        "tokenizer_dir": str(run.source_dir),
-        "torch": torch.__version__,
-    }
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What a run's settings came to on its data and machine: handed by the recipe to the
+    reports, so that they read values, not the recipe."""
+
+    world_size: int
+    micro_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    device: str
+    model: str  # the trained class, module.Name
+    tokenizer_dir: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "torch": torch.__version__}
 
 
-def write_run_files(run: FinetuneRecipe) -> None:
+def resolved_config(cfg: Any, shape: RunShape, **task: Any) -> dict[str, Any]:
+    """The settings as run: the options (`cfg`, a dataclass), what the task adds (its labels
+    and split sizes), and what they came to (`shape`)."""
+    return {**dataclasses.asdict(cfg), **task, **shape.as_dict()}
+
+
+def write_run_files(out: Path, cfg: Any, resolved: dict[str, Any], splits: Any) -> None:
     """The resolved settings, and a bundled dataset's split as CSV (or CoNLL) files, into the run's folder."""
-    cfg, resolved = run.cfg, resolved_config(run)
-    run.out.mkdir(parents=True, exist_ok=True)
-    write_json(resolved, run.out / RESOLVED_CONFIG)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(resolved, out / RESOLVED_CONFIG)
     if cfg.dataset is not None and not cfg.resume:  # the bundled split as files, to inspect or reuse with --train
         for split in ("train", "validation", "test"):
-            if getattr(run.splits, split) is not None:
-                write_split(getattr(run.splits, split), run.out / DATA_DIR, split)
+            if getattr(splits, split) is not None:
+                write_split(getattr(splits, split), out / DATA_DIR, split)
+    labels, sizes = resolved["labels"], resolved["sizes"]
     log.info(
         "%s: %d train / %d validation / %d test examples, labels %s; %d step(s) per epoch of %d examples "
         "(%d per micro-batch x %d accumulation x %d process(es)), %d steps, %s schedule with %d warmup, on %s",
         cfg.problem_type,
-        run.n_train,
-        resolved["sizes"]["validation"],
-        resolved["sizes"]["test"],
-        run.splits.names if len(run.splits.names) <= 20 else f"({len(run.splits.names)})",
-        run.steps_per_epoch,
+        sizes["train"],
+        sizes["validation"],
+        sizes["test"],
+        labels if len(labels) <= 20 else f"({len(labels)})",
+        resolved["steps_per_epoch"],
         cfg.batch_size,
-        run.micro,
+        resolved["micro_batch_size"],
         cfg.grad_accum_steps,
-        run.d.world_size,
-        run.total_steps,
+        resolved["world_size"],
+        resolved["total_steps"],
         cfg.lr_scheduler_type,
-        run.warmup_steps,
-        run.d.device,
+        resolved["warmup_steps"],
+        resolved["device"],
     )
 
 
-def metrics_document(run: FinetuneRecipe, status: str) -> dict[str, Any]:
-    """The document written to metrics.json."""
-    model, history = run.model, run.history
+def metrics_document(header: dict[str, Any], resolved: dict[str, Any], history: dict[str, Any], global_step: int):
+    """The document written to metrics.json: `header` (name, output_dir, status and the task's
+    summary), the resolved settings, and the history of the run up to `global_step`."""
     train_time = history["train_time_s"]
     return {
-        "name": f"{type(model).__module__.split('.')[0]} {type(model).__name__} on {run.cfg.dataset or run.cfg.train}",
-        "output_dir": str(run.out),
-        "status": status,
-        **run.task_summary(),
-        "config": run.resolved_config(),
-        "global_step": run.global_step,
-        "epochs_completed": round(run.global_step / run.steps_per_epoch, 4),
+        **header,
+        "config": resolved,
+        "global_step": global_step,
+        "epochs_completed": round(global_step / resolved["steps_per_epoch"], 4),
         "train_time_s": round(train_time, 2),
         "train_examples_per_s": round(history["examples"] / train_time, 2) if train_time else None,
         "best": history["best"],

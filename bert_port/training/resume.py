@@ -1,5 +1,7 @@
-"""The resumable training state, `last-checkpoint.pt`: what it holds, every process's RNG
-state, the identity of the data files, and the checks a `--resume` makes before it trusts it.
+"""The resumable training state, `checkpoints/last-checkpoint.pt`: what it holds, every
+process's RNG state, the identity of the data files, and the checks a `--resume` makes before
+it trusts it. It lives in the run folder's `checkpoints/`, apart from the finished model; a
+run of an older version, with the file beside the model, resumes from there (`state_file`).
 
 The state holds the model, optimiser, scheduler, gradient scaler, every process's RNG state
 (Python's and torch's, CPU and this process's GPU), the optimiser step reached, the history
@@ -18,19 +20,18 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from .. import checkpoint as ckpt
 from .settings import FinetuneError, TrainingSettings, resume_mismatches
 
-if TYPE_CHECKING:
-    from .recipe import FinetuneRecipe
-
 log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last-checkpoint.pt"
+CHECKPOINTS_DIR = "checkpoints"  # the resume state, kept apart from the model folder's own files
 STATE_FORMAT = 2  # of last-checkpoint.pt; 2: schedules as transformers', progress by optimiser step
 STATE_LIMIT = 1 << 40  # bytes: a state is about 3x its model; a larger file is not one
 DATA_SETTINGS = ("train", "validation")  # the files whose bytes decide the run (not --test)
@@ -71,58 +72,65 @@ def data_identity(cfg: TrainingSettings) -> dict[str, dict[str, Any]]:
     return identity
 
 
-def new_history(patience: int | None) -> dict[str, Any]:
-    """The history of a run that has not taken a step: what `training_state` carries on."""
-    return {
-        "steps": [],  # one record per optimiser step
-        "evaluations": [],
-        "best": None,
-        "early_stopping": {
-            "patience": patience,
-            "evaluations_without_improvement": 0,
-            "stopped_early": False,
-            "stopped_at_step": None,
-        },
-        "train_time_s": 0.0,
-        "examples": 0,
-    }
+def state_path(out: Path) -> Path:
+    """Where a run in `out` writes its resumable state."""
+    return Path(out) / CHECKPOINTS_DIR / LAST_CHECKPOINT
 
 
-def training_state(recipe: FinetuneRecipe, rngs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The state of `recipe` to resume from; `rngs` holds every process's `rng_state()`."""
+def state_file(out: Path) -> Path | None:
+    """The state a `--resume` in `out` reads: `checkpoints/last-checkpoint.pt`, or an older
+    version's `last-checkpoint.pt` beside the model; None when there is neither."""
+    for path in (state_path(out), Path(out) / LAST_CHECKPOINT):
+        if path.is_file():
+            return path
+    return None
+
+
+@dataclasses.dataclass
+class TrainingParts:
+    """What a run steps and a resumable state saves and restores: the recipe hands these,
+    not itself, so that this module does not depend on the recipe."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any | None = None
+
+
+def training_state(parts: TrainingParts, rngs: list[dict[str, Any]], **run: Any) -> dict[str, Any]:
+    """The state to resume from; `rngs` holds every process's `rng_state()`, `run` the
+    recipe's `progress`, `history`, `labels`, `config` (a dict) and `data` (`data_identity`)."""
+    missing = {"progress", "history", "labels", "config", "data"} - set(run)
+    if missing:
+        raise TypeError(f"training_state needs {', '.join(sorted(missing))}")
     return {
         "format": STATE_FORMAT,
-        "model": recipe.model.state_dict(),
-        "optimizer": recipe.optimizer.state_dict(),
-        "scheduler": recipe.scheduler.state_dict(),
-        "scaler": recipe.scaler.state_dict() if recipe.scaler is not None else None,
+        "model": parts.model.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "rng": rngs,
-        "progress": recipe.progress(),
-        "history": recipe.history,
-        "labels": recipe.splits.names,
-        "config": dataclasses.asdict(recipe.cfg),
-        "data": recipe.data,
+        **run,
     }
 
 
-def restore(recipe: FinetuneRecipe, state: dict[str, Any]) -> None:
-    """Put `state` (checked by `check_resumable`) back into `recipe`: weights, optimiser,
-    schedule, scaler, progress, history, and this process's RNG state."""
-    recipe.model.load_state_dict(state["model"])
-    recipe.optimizer.load_state_dict(state["optimizer"])
-    recipe.scheduler.load_state_dict(state["scheduler"])
-    if recipe.scaler is not None and state.get("scaler"):
-        recipe.scaler.load_state_dict(state["scaler"])
-    recipe.global_step = state["progress"]["global_step"]
-    recipe.history = state["history"]
-    rngs, d = state["rng"], recipe.d
-    if len(rngs) != d.world_size:
+def restore(parts: TrainingParts, state: dict[str, Any], rank: int, world_size: int) -> tuple[int, dict[str, Any]]:
+    """Put `state` (checked by `check_resumable`) back into `parts` and this process's RNG;
+    returns the optimiser step reached and the history, for the recipe to carry on."""
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    if parts.scaler is not None and state.get("scaler"):
+        parts.scaler.load_state_dict(state["scaler"])
+    rngs = state["rng"]
+    if len(rngs) != world_size:
         log.warning(
             "resuming with %d process(es) after %d: data order and schedule continue exactly, dropout masks do not",
-            d.world_size,
+            world_size,
             len(rngs),
         )
-    set_rng_state(rngs[d.rank % len(rngs)])
+    set_rng_state(rngs[rank % len(rngs)])
+    return state["progress"]["global_step"], state["history"]
 
 
 def save_state(state: dict[str, Any], path: Path) -> None:

@@ -1,5 +1,7 @@
 """The output folder of a training run (fine-tuning or language model): its file names, the checks before a run starts
-there, and the lock that keeps a second run out.
+there, and the lock that keeps a second run out. The folder is the model (weights, config,
+tokenizer files, README.md) with the run's reports; the resume state is kept apart in
+`checkpoints/`, so that the folder is what a user copies or uploads.
 
 A run holds an `flock` on its run-lock file (`.bert_port-run.lock` in the folder) for the
 whole run: a second run is refused at once, and the kernel drops the lock when its process
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import checkpoint as ckpt
-from .resume import LAST_CHECKPOINT
+from .resume import CHECKPOINTS_DIR, LAST_CHECKPOINT, state_file, state_path
 from .settings import FinetuneError, TrainingSettings
 from .steps import Dist
 
@@ -58,16 +60,16 @@ def check_output_dir(cfg: TrainingSettings, out: Path) -> None:
     """Refuse, before any work, an output folder this run cannot use: a file, a `--resume`
     without a state to resume, a finished run that neither `--resume` nor `--overwrite`
     names, and a `--compare-to` that is no folder."""
-    last_path = out / LAST_CHECKPOINT
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
-    if cfg.resume and not last_path.is_file():
+    found = state_file(out)  # this version's checkpoints/, or an older run's file beside the model
+    if cfg.resume and found is None:
         raise FinetuneError(
-            f"--resume: no {LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
+            f"--resume: no {CHECKPOINTS_DIR}/{LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
             "or never ran there); start it again without --resume (with --overwrite if the "
             "directory holds a metrics.json)"
         )
-    if not cfg.resume and not cfg.overwrite and (last_path.is_file() or (out / METRICS_FILE).is_file()):
+    if not cfg.resume and not cfg.overwrite and (found is not None or (out / METRICS_FILE).is_file()):
         raise FinetuneError(
             f"{out} already holds a {cfg.kind} run; pass --resume to continue it, --overwrite to "
             "start it again, or choose another --output-dir"
@@ -93,7 +95,7 @@ def own_output_dir(out: Path, command: str = "bert-port-finetune") -> Iterator[P
     with _run_lock(out, command):
         # `checkpoint.StagedWrite` and `data.write_records` stage files as hidden temporaries.
         removed = size = 0
-        for folder in (out, out / DATA_DIR):
+        for folder in (out, out / DATA_DIR, out / CHECKPOINTS_DIR):
             if folder.is_dir():
                 count, nbytes = ckpt.tidy(folder)
                 removed, size = removed + count, size + nbytes
@@ -118,5 +120,5 @@ def lock_output_dir(cfg: TrainingSettings, out: Path, d: Dist, stack: contextlib
     if refusal is not None:
         raise FinetuneError(refusal)
     if cfg.overwrite and not cfg.resume and d.is_main:
-        for name in (LAST_CHECKPOINT, METRICS_FILE):
-            (out / name).unlink(missing_ok=True)
+        for path in (state_path(out), out / LAST_CHECKPOINT, out / METRICS_FILE):
+            path.unlink(missing_ok=True)

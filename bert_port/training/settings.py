@@ -143,7 +143,7 @@ class TrainingSettings:
         "none", "also log the curves for TensorBoard (in OUTPUT_DIR/tensorboard)", choices=REPORT_TO
     )
     overwrite: bool = option(False, "start afresh in an output dir that already holds a run (ignored with --resume)")
-    resume: bool = option(False, "continue from last-checkpoint.pt in --output-dir (same settings)")
+    resume: bool = option(False, "continue from checkpoints/last-checkpoint.pt in --output-dir (same settings)")
     save_steps: int | None = option(
         None, "also write the resumable checkpoint every N steps (always: every epoch, on Ctrl-C)", least=1
     )
