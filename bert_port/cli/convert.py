@@ -11,11 +11,18 @@ token classification, question answering) is kept, and so are the pretraining he
 with `--keep-heads`; otherwise DST is a `BertModel`. The report says what was renamed, what
 was dropped, and that DST reads back bit for bit.
 
+`bert-port-convert SRC DST --to onnx` writes DST/model.onnx instead (with SRC's config.json
+and tokenizer files beside it): the model SRC is (bare, a task head, or the MLM/pretraining
+head its config.json's `architectures` names, or `--keep-heads` keeps), float32, dynamic batch
+and sequence, checked in ONNX Runtime against the model at export (`bert_port.onnx_export`).
+Needs `pip install 'bert-port[onnx]'`.
+
 A save killed after its commit point leaves a folder that loads refuse (they never write);
 `--repair` finishes that save, or drops its journal when another tool has written the folder
 since, and deletes the temporaries killed saves recorded, nothing else.
 
-Exit status: 0 converted and verified (or repaired); 1 the written files did not read back identically;
+Exit status: 0 converted and verified (or repaired); 1 the written files did not read back identically
+(ONNX: ONNX Runtime's outputs are not the model's; no model.onnx is left);
 2 bad input (unreadable or mismatched checkpoint, bad config, DST already holds a checkpoint)
 or DST cannot be written (permissions, disk full; its previous files are left intact).
 """
@@ -41,6 +48,8 @@ DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfl
 # Loader arguments this command has a flag for: a library error that suggests one of them
 # is printed naming the flag (see CheckpointError.for_command_line).
 FLAGS = {"check_finite": "--check-finite", "config_file": "--config-file", "revision": "--revision"}
+ONNX_NAME = "model.onnx"
+LM_ARCHITECTURES = {"BertForMaskedLM", "BertForPreTraining"}  # heads --to onnx keeps when config.json names them
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", nargs="?", help="output directory (created if needed)")
     parser.add_argument(
         "--repair", metavar="DIR", default=None, help="finish or drop a killed save in DIR, instead of converting"
+    )
+    parser.add_argument(
+        "--to",
+        choices=["hf", "onnx"],
+        default="hf",
+        help="hf: Hugging Face safetensors (default); onnx: DST/model.onnx",
     )
     parser.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast floating weights (default keep)")
@@ -139,7 +154,8 @@ def _load(args: argparse.Namespace, folder: Path) -> tuple[BertPreTrainedModel, 
         files = ckpt.locate_checkpoint(args.src, args.config_file, args.revision)
         config = BertConfig.from_json_file(files.config_file)
         weights = loading.read_checkpoint(files, config)
-    cls, init_kwargs = _model_class(weights.tensors, config, args.keep_heads)
+    lm = args.to == "onnx" and bool(LM_ARCHITECTURES & set(config.extra.get("architectures") or []))
+    cls, init_kwargs = _model_class(weights.tensors, config, args.keep_heads or lm)
     model = loading.build_and_load(
         cls, config, weights, files, init_kwargs=init_kwargs, dtype=DTYPES[args.dtype], check_finite=args.check_finite
     )
@@ -198,6 +214,8 @@ def convert(args: argparse.Namespace) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
+    if args.to == "onnx":
+        return to_onnx(args, dst, folder)
     ckpt.parse_size(args.max_shard_size)  # a bad size fails before any work
 
     model, files = _load(args, folder)
@@ -214,6 +232,54 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def to_onnx(args: argparse.Namespace, dst: Path, folder: Path) -> int:
+    """SRC's model, as `from_pretrained` gives it (float32, the speed layer on), exported to
+    DST/model.onnx by `onnx_export.export_onnx` and checked there; SRC's config and tokenizer
+    files copied beside it. The file is written under a temporary name and renamed once checked."""
+    import shutil
+
+    from bert_port import checkpoint as ckpt
+    from bert_port import speed
+    from bert_port.onnx_export import ExportError, export_onnx
+    from bert_port.tokenization import load_tokenizer
+
+    if args.dtype not in ("keep", "float32"):
+        print(f"error: --to onnx exports float32; drop --dtype {args.dtype}", file=sys.stderr)
+        return 2
+    args.dtype = "float32"
+    model, files = _load(args, folder)
+    copies = [
+        files.config_file,
+        *(files.directory / n for n in ckpt.TOKENIZER_FILES if (files.directory / n).is_file()),
+    ]
+    clashes = [n for n in [ONNX_NAME, *(c.name for c in copies)] if (dst / n).exists()]
+    if clashes and not args.overwrite:
+        print(f"error: {dst} already holds {', '.join(clashes)}; pass --overwrite to replace them", file=sys.stderr)
+        return 2
+    speed.optimize(model)
+    dst.mkdir(parents=True, exist_ok=True)
+    staged = dst / f".{ONNX_NAME}.tmp"  # this command's own temporary, removed on every way out
+    try:
+        result = export_onnx(model, staged, load_tokenizer(files.directory))
+        staged.replace(dst / ONNX_NAME)
+    except ExportError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        staged.unlink(missing_ok=True)
+    for copy in copies:
+        shutil.copyfile(copy, dst / copy.name)
+    size = ckpt.human_bytes((dst / ONNX_NAME).stat().st_size)
+    print(f"source:    {files.weights_file}")
+    print(f"model:     {type(model).__name__} ({model.config.num_hidden_layers} layers), float32")
+    print(f"written:   {dst}: {ONNX_NAME} ({size}), {', '.join(c.name for c in copies)}")
+    print(f"inputs:    input_ids, attention_mask, token_type_ids (batch and sequence dynamic, up to "
+          f"{model.config.max_position_embeddings} tokens)")  # fmt: skip
+    diffs = ", ".join(f"{name} {value:.2g}" for name, value in result.worst.items())
+    print(f"verified:  ONNX Runtime against the model on a new batch, max |diff|: {diffs} ({result.tolerance})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -224,12 +290,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from bert_port import CheckpointError, ConfigError
     from bert_port import checkpoint as ckpt
+    from bert_port.extras import MissingExtra
 
     try:
         if args.repair is not None:
             print(ckpt.repair(args.repair))
             return 0
         return convert(args)
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"error: {exc.for_command_line(FLAGS) if isinstance(exc, CheckpointError) else exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..bert import BertLayer, BertModel, BertSelfAttention, _norm
 from ..packing import Packing, pack, pad, unpad, with_filler
 from .attention import packed_attention, varlen_attention, varlen_supported
-from .gemm import fused_row_stable_linear, tracing
+from .gemm import fused_row_stable_linear, row_bucket_multiple, tracing
 
 
 class PackedSelfAttention(BertSelfAttention):
@@ -81,10 +81,10 @@ class PackedBertModel(BertModel):
 
     def _row_multiple(self, rows: Tensor) -> int:
         """The packed rows' count is best a multiple of this: the row counts the dense layers run
-        their GEMMs on, so that no GEMM pads rows of its own and a corpus of batches reuses a
-        few compiled kernels."""
+        their GEMMs on, so that no GEMM pads rows of its own, in buckets that grow with the count
+        (`gemm.row_bucket_multiple`), so that a corpus of batches reuses a bounded set of compiled kernels."""
         dense = self.bert_layers[0].interm_dense if len(self.bert_layers) else None
-        return dense.row_multiple(rows) if hasattr(dense, "row_multiple") else 1
+        return row_bucket_multiple(rows.shape[0], dense.row_multiple(rows)) if hasattr(dense, "row_multiple") else 1
 
     def packing_for(
         self,

@@ -2,7 +2,8 @@
 quantization="int8")` calls, and `Int8Linear`, the layer it puts in place of the encoder's
 dense layers: int8 weights per output channel, 7-bit activations per row (so a row's result
 never depends on the others), SmoothQuant-style shift and smoothing where a LayerNorm feeds the
-projection, and the FFN's few outlier channels kept in float32. The scheme, and why each
+projection, and a few outlier channels kept in float32 (the FFN's, and the widest of each
+LayerNorm-fed projection's after smoothing). The scheme, and why each
 choice, with its measurements: docs/int8.md. An int8 model runs inference on the CPU only:
 training, CUDA, other dtypes and saving are refused with errors that say what to do.
 """
@@ -24,6 +25,10 @@ QUANTIZATIONS = ("int8",)
 ACTIVATION_LEVELS = 127  # 7 bits: see the module docstring (no int16 saturation without VNNI)
 WEIGHT_LEVELS = 127  # symmetric int8
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength
+# Of the channels a LayerNorm feeds the QKV and FFN-up projections, the few whose range stays widest
+# after smoothing are kept in float32: MiniLM's channel 99 at [CLS] reaches 15x the row's RMS and set
+# the step of that row, which short texts (4-5 tokens, [CLS] a fifth of the mean pooling) felt most.
+LN_FLOAT_CHANNELS = 2
 FLOAT_OUTLIERS = 8  # of the FFN's channels, kept in float32 by out_dense (LLM.int8()'s decomposition)
 # oneDNN builds an int8 kernel for every row count it meets (several times the GEMM's own time,
 # docs/int8.md): packed batches come in steps of this many
@@ -117,18 +122,28 @@ class Int8Linear(nn.Module):
         smooth: Tensor | None = None,
         floor: float | None = None,
         float_inputs: int = 0,
+        float_channels: Tensor | None = None,
     ):
         super().__init__()
         self.training = False  # inference only (`_check`)
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
-        # The last `float_inputs` input channels (outliers, put there by the caller) stay float32.
+        # The last `float_inputs` input channels (outliers, put there by the caller) stay float32;
+        # or, where the input cannot be reordered (a LayerNorm's output, also the residual), the
+        # channels at `float_channels`: their int8 column and input are zeroed, so they set no row's step.
+        if float_channels is not None and (floor is not None or float_inputs):
+            raise ValueError("Int8Linear: float_channels takes neither a floor nor float_inputs")
         self.float_inputs = float_inputs
-        self.register_buffer("float_weight", weight[:, weight.shape[1] - float_inputs :].T.contiguous())  # (F, M)
-        weight = weight[:, : weight.shape[1] - float_inputs]
+        self.register_buffer("float_channels", None if float_channels is None else float_channels.long())
+        columns = slice(weight.shape[1] - float_inputs, None) if float_channels is None else self.float_channels
+        self.register_buffer("float_weight", weight[:, columns].T.contiguous())  # (F, M)
+        weight = weight[:, : weight.shape[1] - float_inputs].clone()
         self.floor = floor
         int8_inputs = weight.shape[1]
+        if float_channels is not None:
+            weight[:, self.float_channels] = 0.0  # also keeps their shift out of the bias below
+            shift = torch.zeros(int8_inputs) if shift is None else shift
         if floor is not None:
             shift = torch.full((int8_inputs,), float(floor))
         if shift is not None:
@@ -136,6 +151,8 @@ class Int8Linear(nn.Module):
         if floor is None and (shift is not None or smooth is not None):
             inverse = torch.ones(int8_inputs) if smooth is None else 1.0 / smooth.float()
             centre = torch.zeros(int8_inputs) if shift is None else shift.float()
+            if float_channels is not None:
+                inverse[self.float_channels] = 0.0  # x' = 0 there: the row's step ignores them
             self.register_buffer("input_scale", inverse)  # x' = x * input_scale + input_offset
             self.register_buffer("input_offset", -centre * inverse)
         else:
@@ -177,11 +194,14 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (N, K)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         q, step = self._quantize(rows[:, : self.in_features - self.float_inputs])  # (N, K - F) uint8, (N, 1)
+        if self.float_channels is None:
+            kept = rows[:, self.in_features - self.float_inputs :]  # (N, F): the outlier channels, float32
+        else:
+            kept = rows.index_select(1, self.float_channels)  # (N, F)
         zero_point = 0 if self.floor is not None else ACTIVATION_LEVELS // 2 + 1
         acc = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, zero_point, self._packed, self.weight_scale, None, None, 1.0, 0, torch.float32, "none", [], ""
         )  # (N, M): sum_k (q_k - zero_point) W_int8[m, k] * weight_scale[m]
-        kept = rows[:, self.in_features - self.float_inputs :]  # (N, F): the outlier channels, float32
         activation = self.activation
         if activation is None:
             return self._dequantize(acc, step, kept, residual).view(*x.shape[:-1], self.out_features)
@@ -216,7 +236,7 @@ class Int8Linear(nn.Module):
             kernels.dequantize_rows(acc, step, self.bias, kept, self.float_weight, residual)
             return acc
         out = torch.addcmul(self.bias, acc, step, out=acc)
-        for c in range(self.float_inputs):
+        for c in range(self.float_weight.shape[0]):
             out.addcmul_(kept[:, c : c + 1], self.float_weight[c])
         return out if residual is None else out.add_(residual)
 
@@ -247,7 +267,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         rows = "unsigned" if self.floor is not None else "signed"
         pre = ", shifted/smoothed" if self.input_scale is not None else ""
-        kept = f", {self.float_inputs} inputs in float32" if self.float_inputs else ""
+        floats = self.float_weight.shape[0]
+        kept = f", {floats} inputs in float32" if floats else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, 7-bit {rows} rows"
             f"{pre}{kept}"
@@ -311,10 +332,14 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[tu
 
 def centred(ranges: Ranges, weight: Tensor) -> dict[str, Tensor]:
     """`Int8Linear`'s shift (each channel's calibrated mean: robust where a range's midpoint
-    follows one extreme token) and SmoothQuant divisor (from the largest deviation from it) for
-    one LayerNorm-fed projection."""
+    follows one extreme token), SmoothQuant divisor (from the largest deviation from it) and
+    float32 channels (the `LN_FLOAT_CHANNELS` widest after smoothing) for one LayerNorm-fed
+    projection."""
     high, low, mean = ranges
-    return {"shift": mean, "smooth": smoothing(torch.maximum(high - mean, mean - low), weight)}
+    deviation = torch.maximum(high - mean, mean - low)
+    smooth = smoothing(deviation, weight)
+    kept = (deviation / smooth).argsort(descending=True)[:LN_FLOAT_CHANNELS].sort().values
+    return {"shift": mean, "smooth": smooth, "float_channels": kept if LN_FLOAT_CHANNELS else None}
 
 
 def calibration_batches(tokenizer, max_length: int) -> list[dict[str, Tensor]]:
