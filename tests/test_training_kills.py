@@ -165,7 +165,11 @@ def test_external_kill_9_at_any_moment_then_resume(tmp_path, ckpt, data):
         import time
 
         deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "last-checkpoint.pt").exists() and child.poll() is None and time.monotonic() < deadline:
+        while (
+            not (out / "checkpoints" / "last-checkpoint.pt").exists()
+            and child.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
     finally:
