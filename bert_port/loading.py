@@ -8,8 +8,7 @@ in place, so no random initialisation is computed and thrown away and no second 
 weights is held. Every missing, unexpected or mis-shaped tensor is reported in one error,
 before anything is written into the model.
 
-Read side only: this module never writes a file, and imports neither `saving` nor the
-staged writes (a test reads its imports), so that loading cannot write by construction.
+Read side only: it imports neither `saving` nor the staged writes, so loading cannot write.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The Layout table of docs/architecture.md matches the tree: it names every module of `bert_port/` (by
-path, or as a member of a package row such as `bert_port/bench/`), and every path it names
-exists."""
+"""The Layout table of docs/architecture.md matches the tree, and no module is over the line cap.
+The table names every module of `bert_port/` (by path, or as a member of a package row such as
+`bert_port/bench/`), and every path it names exists."""
 
 from __future__ import annotations
 
@@ -48,3 +48,14 @@ def test_every_module_is_in_the_layout_table_and_every_row_exists():
             members = {p.stem for p in (ROOT / pkg).glob("*.py") if p.name != "__init__.py"}
             missing = sorted(m for m in members if f"`{m}`" not in what)
             assert not missing, f"the row for {pkg} does not name {missing}"
+
+
+MAX_LINES = 450  # issue 40: a module a reader takes in at one sitting; split by job, not by line count
+
+
+def test_no_module_is_over_the_line_cap():
+    files = [*(ROOT / "bert_port").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    over = {
+        str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not over, f"modules over {MAX_LINES} lines (split them by job, along the direction of dependency): {over}"
