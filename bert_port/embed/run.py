@@ -16,6 +16,9 @@ not at all; a rerun skips the shards whose ids file carries this run's fingerpri
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import json
 import logging
@@ -155,6 +158,25 @@ def batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
         yield group
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None elsewhere (musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the system. Batches of changing shapes free and
+    allocate activations of every size; glibc keeps what they free in its heap, so a long run's
+    peak RSS grew with the corpus (+490 MiB at 20,000 texts against 2,000 on the AVX2 kernels)
+    while little of it was in use. A trim after each batch keeps it flat."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class ShardEmbedder:
     """Computes one shard: (records) -> (n, D) embeddings in input order, the real-token
     count and the ids of the texts cut to `max_seq_length`."""
@@ -194,6 +216,8 @@ class ShardEmbedder:
                     self.governor.step()
                 batch = {k: v.to(device) for k, v in _collate([encodings[i] for i in group], self.pad_id).items()}
                 out[[start + i for i in group]] = self.encoder(**batch).float().cpu()
+                del batch
+                return_free_memory()
                 n_tokens = sum(len(encodings[i].ids) for i in group)
                 tokens += n_tokens
                 if self.bar is not None:
