@@ -5,6 +5,10 @@
     losses = train_embedding(encoder, loss, rows, batch_size=32, max_steps=100)
     encoder.save_pretrained("out")          # a sentence-transformers folder
 
+Options shared with the fine-tuning recipe, from `steps`: `bf16` (its autocast), the learning-
+rate schedules (`lr_scheduler_type`, `warmup_steps`: `build_scheduler`), and a torchrun job
+(`world=setup_distributed("cpu")`: each process a slice of the global batch, gradients averaged).
+
 `rows` are tuples of texts (anchor, positive[, negatives...]) with, for scored-pair losses, a
 float last (`label_column=True`). Batches are consecutive rows of one seeded shuffle per
 epoch; each column is tokenized as the encoder tokenizes (its `max_seq_length`, lower-casing).
@@ -19,9 +23,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from ..tokenization import encode
 from .embedding_losses import EmbeddingLoss, Features
+from .steps import Dist, autocast, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,41 @@ def batches(rows: Sequence[Sequence], batch_size: int, seed: int, max_steps: int
         epoch += 1
 
 
+def split_over(batch_size: int, world_size: int) -> int:
+    """The rows each of `world_size` processes takes of a global batch of `batch_size`."""
+    if batch_size % world_size:
+        raise ValueError(
+            f"batch_size {batch_size} does not split over {world_size} processes; use a multiple of {world_size}"
+        )
+    return batch_size // world_size
+
+
+def average_gradients(params: Sequence[torch.nn.Parameter], world: Dist) -> None:
+    """DistributedDataParallel's gradient average, as one all-reduce of the flattened gradients.
+    By hand rather than by DDP's hooks: the cached loss back-propagates in passes of its own
+    (inside `backward`, through the bare encoder), which DDP's reducer does not follow."""
+    grads = [p.grad for p in params if p.grad is not None]  # the same parameters on every process
+    flat = world.sum(torch.cat([g.reshape(-1) for g in grads])) / world.world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _step(encoder, loss, rows, label_column, optimizer, scheduler, world: Dist, bf16: bool) -> float:
+    """One optimiser step on this process's rows; returns the loss, its mean over the processes."""
+    features, labels = batch_features(encoder, rows, label_column)
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(encoder.model.device, bf16=bf16):  # the encoder in bf16; the loss is float32 (float_loss)
+        value = loss(features, labels)
+    value.backward()
+    if world.enabled:
+        average_gradients([p for g in optimizer.param_groups for p in g["params"]], world)
+    optimizer.step()
+    scheduler.step()
+    return float(world.sum(value.detach().double().reshape(1))) / world.world_size
+
+
 def train_embedding(
     encoder,
     loss: EmbeddingLoss,
@@ -71,29 +112,39 @@ def train_embedding(
     seed: int = 0,
     label_column: bool = False,
     dropout: bool = True,
+    bf16: bool = False,
+    lr_scheduler_type: str = "constant",
+    warmup_steps: int = 0,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LambdaLR | None = None,
+    world: Dist | None = None,
     start_step: int = 0,
     after_step: Callable[[int, float], bool] | None = None,
 ) -> list[float]:
-    """Train `encoder` in place with `loss` (AdamW, constant `lr`) and return each step's loss.
+    """Train `encoder` in place with `loss` (AdamW at `lr`, by default constant) and return each
+    step's loss. `lr_scheduler_type` and `warmup_steps` pick one of transformers' schedules over
+    `max_steps` (`steps.build_scheduler`: "linear" is sentence-transformers' trainer default).
+    `bf16` runs the encoder under bf16 autocast (weights, optimiser and the loss's maths stay fp32).
     `dropout=False` trains with the model's dropout off (for a run compared step by step with
-    another implementation). To continue a run: its `optimizer` and RNG state restored, and
-    `start_step` the steps it took (their batches are skipped, the seeded order is the same).
-    `after_step(step, loss)` runs after each step (evaluations, checkpoints); True stops the run."""
+    another implementation). Under torchrun (`world` from `steps.setup_distributed`) each process
+    takes its contiguous slice of every global batch of `batch_size` rows, in-batch negatives from
+    its slice only (sentence-transformers' default), gradients averaged over the processes; the
+    losses returned are the means over them. To continue a run: its `optimizer`, `scheduler` and
+    RNG state restored, and `start_step` the steps it took (their batches are skipped, the seeded
+    order is the same). `after_step(step, loss)` runs after each step; True stops the run."""
+    world = world or Dist()
+    local = split_over(batch_size, world.world_size)
     if start_step == 0:
         torch.manual_seed(seed)
     optimizer = optimizer or torch.optim.AdamW(encoder.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = scheduler or build_scheduler(optimizer, warmup_steps, max_steps, lr_scheduler_type)
     encoder.train(dropout)
     losses = []
     for step, rows_of_batch in enumerate(batches(rows, batch_size, seed, max_steps)):
         if step < start_step:
             continue
-        features, labels = batch_features(encoder, rows_of_batch, label_column)
-        optimizer.zero_grad(set_to_none=True)
-        value = loss(features, labels)
-        value.backward()
-        optimizer.step()
-        losses.append(float(value.detach()))
+        mine = rows_of_batch[world.rank * local : (world.rank + 1) * local]
+        losses.append(_step(encoder, loss, mine, label_column, optimizer, scheduler, world, bf16))
         log.info("step %d: loss %.4f", step + 1, losses[-1])
         if after_step is not None and after_step(step + 1, losses[-1]):
             break

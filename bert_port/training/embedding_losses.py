@@ -86,7 +86,14 @@ class EmbeddingLoss(nn.Module):
 
     def forward(self, features: Sequence[Features], labels: Tensor | None = None) -> Tensor:
         self.check(features, labels)
-        return self.from_embeddings([self.encoder(**f) for f in features], labels)
+        return self.float_loss([self.encoder(**f) for f in features], labels)
+
+    def float_loss(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
+        """`from_embeddings` in float32, outside any autocast: under bf16 only the encoder runs in
+        bf16, as the fine-tuning recipe takes its loss on float32 logits (a cosine rounded to bf16,
+        times the scale of 20, would move a logit by up to 0.08). A no-op in float32."""
+        with torch.autocast(embeddings[0].device.type, enabled=False):
+            return self.from_embeddings([e.float() for e in embeddings], labels)
 
     def from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
         raise NotImplementedError
@@ -156,6 +163,12 @@ def _replayed_rng(state: tuple[Tensor, list[Tensor]]):
         yield
 
 
+def _autocast_now(device_type: str) -> dict:
+    """The autocast in force, to enter again in the second pass (it runs in `backward`, outside it)."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return {"device_type": device_type, "dtype": torch.get_autocast_dtype(device_type), "enabled": enabled}
+
+
 def _rng_state() -> tuple[Tensor, list[Tensor]]:
     return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
 
@@ -176,6 +189,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         self.check(features, labels)
         chunks = [_chunks(column, self.mini_batch_size) for column in features]
         states, reps = [[] for _ in chunks], [[] for _ in chunks]
+        cast = _autocast_now(features[0]["input_ids"].device.type)
         # First pass: embeddings only, the RNG state before each mini-batch kept. With dropout on it
         # runs with autograd on (each graph freed at once by the detach), since the model picks its
         # attention kernel by whether autograd is on and kernels draw dropout masks differently.
@@ -183,22 +197,22 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             for column, column_states, column_reps in zip(chunks, states, reps):
                 for chunk in column:
                     column_states.append(_rng_state())
-                    column_reps.append(self.encoder(**chunk).detach())
+                    column_reps.append(self.encoder(**chunk).detach().float())
         if not torch.is_grad_enabled():
-            return self.from_embeddings([torch.cat(r) for r in reps])
+            return self.float_loss([torch.cat(r) for r in reps], None)
         leaves = [[r.detach().requires_grad_() for r in column] for column in reps]
         with torch.enable_grad():
-            loss = self.from_embeddings([torch.cat(column) for column in leaves])
+            loss = self.float_loss([torch.cat(column) for column in leaves], None)
             loss.backward()  # d loss / d embeddings, into the leaves' .grad
         grads = [[leaf.grad for leaf in column] for column in leaves]
         out = loss.detach().requires_grad_()
-        out.register_hook(lambda grad: self._second_pass(chunks, states, grads, grad))
+        out.register_hook(lambda grad: self._second_pass(chunks, states, grads, grad, cast))
         return out
 
-    def _second_pass(self, chunks, states, grads, upstream: Tensor) -> None:
-        """Each mini-batch again with a graph and its first pass's dropout, back-propagating the
-        cached d loss / d embedding (times the loss's own upstream gradient) into the encoder."""
+    def _second_pass(self, chunks, states, grads, upstream: Tensor, cast: dict) -> None:
+        """Each mini-batch again with a graph, its first pass's dropout and autocast, back-propagating
+        the cached d loss / d embedding (times the loss's own upstream gradient) into the encoder."""
         for column, column_states, column_grads in zip(chunks, states, grads):
             for chunk, state, grad in zip(column, column_states, column_grads):
-                with torch.enable_grad(), _replayed_rng(state):
-                    self.encoder(**chunk).backward(grad * upstream)
+                with torch.enable_grad(), _replayed_rng(state), torch.autocast(**cast):
+                    self.encoder(**chunk).float().backward(grad * upstream)

@@ -140,9 +140,9 @@ def embedding_card(metrics: dict[str, Any]) -> str:
         "## Training hyperparameters",
         "",
     ]
-    lines += [
-        f"- {k}: {cfg[k]}" for k in ("batch_size", "max_steps", "lr", "weight_decay", "scale", "symmetric", "seed")
-    ]
+    shown = ("batch_size", "max_steps", "lr", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay")
+    shown += ("scale", "symmetric", "bf16", "seed")
+    lines += [f"- {k}: {cfg[k]}" for k in shown if k in cfg]  # an older run's metrics lack the newer settings
     lines += ["", "## Retrieval on the held-out pairs", "", "| metric | before | after |", "|---|---|---|"]
     for name in sorted(metrics["after"]):
         lines.append(f"| {name} | {metrics['before'][name]:.4f} | {metrics['after'][name]:.4f} |")

@@ -77,6 +77,7 @@ from .steps import (
     build_optimizer,
     build_scheduler,
     check_finite_weights,
+    resolve_warmup,
     train_step,
 )
 
@@ -182,8 +183,7 @@ class FinetuneRecipe:
         cfg, d = self.cfg, self.d
         self.steps_per_epoch = math.ceil(self.n_train / cfg.batch_size)  # = ceil(ceil(n / W) / (micro * accum))
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * self.steps_per_epoch
-        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(cfg.warmup_ratio * self.total_steps)
-        self.warmup_steps = min(warmup, self.total_steps)
+        self.warmup_steps = resolve_warmup(cfg.warmup_steps, cfg.warmup_ratio, self.total_steps)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, self.warmup_steps, self.total_steps, cfg.lr_scheduler_type)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.fp16 else None

@@ -251,6 +251,13 @@ SCHEDULES = {
 }
 
 
+def resolve_warmup(warmup_steps: int | None, warmup_ratio: float, total_steps: int) -> int:
+    """The warmup of a run of `total_steps`: `warmup_steps` when set, else ceil(`warmup_ratio` *
+    total), as transformers' `TrainingArguments.get_warmup_steps`; never more than the run."""
+    warmup = warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * total_steps)
+    return min(warmup, total_steps)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, kind: str = "linear"
 ) -> LambdaLR:
