@@ -202,12 +202,11 @@ def _sentence_folder(model_type: str, path) -> Path:
     transformer = models.Transformer(str(path / "hf"), max_seq_length=48)
     pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
     SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu").save(str(path / "st"))
-    # The module names of the hub's folders (all-distilroberta-v1, multilingual-e5): sentence-transformers 6
-    # writes its new module paths, which it reads too but SentenceEncoder does not yet (issue 41's).
-    modules = json.loads((path / "st" / "modules.json").read_text())
-    for module in modules:
-        module["type"] = "sentence_transformers.models." + module["type"].rsplit(".", 1)[1]
-    (path / "st" / "modules.json").write_text(json.dumps(modules))
+    # sentence-transformers 6 writes its modules' own paths; the hub's folders (all-distilroberta-v1,
+    # multilingual-e5) the classic `sentence_transformers.models.*`: SentenceEncoder reads both.
+    assert not json.loads((path / "st" / "modules.json").read_text())[0]["type"].startswith(
+        "sentence_transformers.models."
+    )
     return path / "st"
 
 

@@ -31,6 +31,7 @@ LAYERS = [
     ("bert_port.reference", 2),
     ("bert_port.sentence", 2),
     ("bert_port.sentence_api", 2),
+    ("bert_port.sentence_folder", 2),
     ("bert_port.similarity", 2),
     ("bert_port.loading", 1),
     ("bert_port.saving", 1),
