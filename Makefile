@@ -57,7 +57,7 @@ KERNELS      ?= default avx2 onednn nokernels
 PARITY_TESTS := tests/test_tolerance.py tests/test_parity.py tests/test_bert_options.py tests/test_bert_numerics.py \
                 tests/test_bert.py tests/test_packing.py tests/test_export.py tests/test_checkpoint_files.py tests/test_checkpoint_locate.py \
                 tests/test_classifier.py tests/test_heads.py tests/test_sentence.py tests/test_batch_invariance.py tests/test_preln.py tests/test_gemm.py \
-                tests/test_native_attention.py tests/test_quantization.py tests/test_kernels.py tests/test_f32_linear.py tests/test_families.py tests/test_family_heads.py
+                tests/test_native_attention.py tests/test_quantization.py tests/test_kernels.py tests/test_f32_linear.py tests/test_families.py tests/test_family_heads.py tests/test_family_jobs.py
 ENV_default   := ATEN_CPU_CAPABILITY=default
 ENV_avx2      := ATEN_CPU_CAPABILITY=avx2
 ENV_onednn    := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2

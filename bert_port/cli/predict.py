@@ -155,7 +155,7 @@ def _prepare(args: argparse.Namespace) -> dict:
                 f"{args.input} already has column(s) {', '.join(map(repr, clash))}, which the "
                 "predictions would overwrite; rename them in the input"
             )
-        check_max_length(predictor.max_length, predictor.model.config.max_position_embeddings, pairs=pairs is not None)
+        check_max_length(predictor.max_length, predictor.model.config.max_sequence_length, pairs=pairs is not None)
     _output_folder(out)
     return dict(out=out, predictor=predictor, inputs=inputs, pairs=pairs, records=records)
 

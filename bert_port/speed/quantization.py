@@ -369,7 +369,7 @@ def quantize(model: nn.Module, tokenizer) -> nn.Module:
             f"{encoder.device}: load it with dtype=torch.float32 on the CPU"
         )
     model.eval()
-    stats = calibrate(encoder, calibration_batches(tokenizer, min(128, encoder.config.max_position_embeddings)))
+    stats = calibrate(encoder, calibration_batches(tokenizer, min(128, encoder.config.max_sequence_length)))
     floor = ACTIVATION_FLOORS.get(encoder.config.hidden_act)  # None: signed rows for out_dense too
     for i, layer in enumerate(encoder.bert_layers):
         attention = layer.self_attention

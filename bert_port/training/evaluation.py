@@ -98,7 +98,7 @@ def predict(
     (sigmoid) for multi-label, the predicted values for regression."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    check_max_length(max_length, model.config.max_position_embeddings, pairs=dataset.pairs is not None)
+    check_max_length(max_length, model.config.max_sequence_length, pairs=dataset.pairs is not None)
     device = torch.device(device)
     problem = ProblemType.of_config(model.config)
     model.eval()
@@ -126,7 +126,7 @@ def predict_tokens(
     string is tokenized as a text, a list of strings as its words (`is_split_into_words`)."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    check_max_length(max_length, model.config.max_position_embeddings)
+    check_max_length(max_length, model.config.max_sequence_length)
     device = torch.device(device)
     model.eval()
     out: list[ScoredTokens | None] = [None] * len(inputs)

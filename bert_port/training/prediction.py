@@ -88,14 +88,14 @@ class Predictor:
         names = config_label_names(config, str(config_file))
         chosen = resolve_activation(activation, problem, cross_encoder_activation(Path(config_file).parent, config))
         if max_length is not None:
-            check_max_length(max_length, config.max_position_embeddings)
+            check_max_length(max_length, config.max_sequence_length)
         model_class = (
             BertForTokenClassification if problem is ProblemType.TOKEN_CLASSIFICATION else BertForSequenceClassification
         )
         model = model_class.from_pretrained(model_dir, quantization=quantization).to(where)
         tokenizer = load_tokenizer(model.source_dir)
         # Not the training run's max_length: transformers' pipeline and CrossEncoder read up to this limit.
-        limit = min(tokenizer.truncation["max_length"], config.max_position_embeddings)
+        limit = min(tokenizer.truncation["max_length"], config.max_sequence_length)
         strategy = aggregation_strategy or "first"
         found = (model, tokenizer, problem, names, max_length or limit, where, chosen)
         return cls(*found, aggregation_strategy=strategy, **options)
@@ -113,7 +113,7 @@ class Predictor:
             if pairs is not None:
                 raise FinetuneError("a token classifier tags single texts; drop the pairs")
             return self._tag(list(texts), threads)
-        check_max_length(self.max_length, self.model.config.max_position_embeddings, pairs=pairs is not None)
+        check_max_length(self.max_length, self.model.config.max_sequence_length, pairs=pairs is not None)
         dataset = TextDataset(texts=list(texts), pairs=list(pairs) if pairs is not None else None)
         with governed(self.model, threads):
             scores = predict_scores(

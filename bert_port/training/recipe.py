@@ -142,7 +142,7 @@ class FinetuneRecipe:
         """The checks that need the model's config, then the data read in full (`self.splits`)."""
         cfg = self.cfg
         model_config = BertConfig.from_json_file(ckpt.locate_checkpoint(cfg.checkpoint or minilm_dir()).config_file)
-        check_max_length(cfg.max_length, model_config.max_position_embeddings, pairs=cfg.text_pair_column is not None)
+        check_max_length(cfg.max_length, model_config.max_sequence_length, pairs=cfg.text_pair_column is not None)
         self.splits = load_splits(cfg)
 
     def _write_run_files(self) -> None:
