@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .embedding_store import INDEX, read_index
+
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
@@ -139,8 +141,6 @@ def embedding_shards(directory: str | os.PathLike) -> Iterator[np.ndarray]:
     """The (n, D) embeddings of a finished `bert-port-embed` run, one shard at a time, in the
     order of its ids (`read_embeddings(directory)[0]`): only one shard is in memory at once."""
     from safetensors.numpy import load_file
-
-    from .embed.store import INDEX, read_index
 
     directory = Path(directory)
     index = read_index(directory)

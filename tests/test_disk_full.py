@@ -19,7 +19,7 @@ from bert_port import BertConfig, BertModel
 from bert_port import checkpoint as ckpt
 from bert_port.data import builtin_splits
 from bert_port.embed import read_index
-from bert_port.embed.store import finished
+from bert_port.embedding_store import finished
 
 WORDS = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "acting", "song"]
 

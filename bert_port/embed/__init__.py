@@ -1,13 +1,14 @@
 """Embedding a whole corpus with a checkpoint's sentence-transformers pipeline
 (`bert-port-embed`): streaming input (`corpus`), per-shard batching and the model (`run`),
-the run from checks to final index (`job`), and the output folder's read side (`store`)."""
+the run from checks to final index (`job`); the output folder's read side lives below, in
+`bert_port.embedding_store` (re-exported here)."""
 
 from __future__ import annotations
 
+from ..embedding_store import read_embeddings, read_index
 from .corpus import Columns, EmbedError, Record, records, scan
 from .job import embed_corpus, execute, prepare
 from .run import Options, Summary
-from .store import read_embeddings, read_index
 
 __all__ = [
     "Columns",

@@ -21,14 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data import parse_json_line
+from ..embedding_store import EmbedError
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "text"}
 _LINE_IDS = "line"  # the id column of plain text: ids are line numbers
-
-
-class EmbedError(ValueError):
-    """An input, flag or output folder that `bert-port-embed` cannot use; the message says
-    what is wrong and what to do. The command prints it and exits 2."""
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import checkpoint as ckpt
+from .. import embedding_store as store
 from ..devices import resolve_device
 from ..sentence import SentenceEncoder
 from ..speed.quantization import QUANTIZATIONS
-from . import store
 from .corpus import Columns, EmbedError, Scan, input_format, records, scan
 from .run import (
     DTYPES,

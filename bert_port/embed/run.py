@@ -32,10 +32,10 @@ import torch
 from tokenizers import Encoding, Tokenizer
 
 from .. import checkpoint as ckpt
+from .. import embedding_store as store
 from ..sentence import SentenceEncoder
 from ..threads import ThreadGovernor
 from ..tokenization import pad_token_id
-from . import store
 from .corpus import Columns, EmbedError, Record, Scan, describe
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The output folder of `bert-port-embed`, read side: file names, the index, which shards a
-run has finished, and `read_embeddings`. Nothing here writes (`run.py` does).
+run has finished, `read_embeddings` and `EmbedError`. Nothing here writes (`embed/run.py` does).
 
     index.json               the run: model, pipeline settings, input digest, dtype, shard list
     shard-00000.safetensors  `embeddings`, (n, D), texts [0, S) in input order
@@ -9,7 +9,8 @@ run has finished, and `read_embeddings`. Nothing here writes (`run.py` does).
 
 A shard is trusted only when its files match the checksums its ids file records (and, once
 the run is complete, the index): a resume redoes a damaged shard, and `read_embeddings`
-names it in one line.
+names it in one line. It sits below `embed/` (which writes the folder) and `similarity` (which
+searches it), so both import it downwards.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import logging
 import os
 from pathlib import Path
 
-from ..storage import bounded
-from ..storage.journal import digest
-from .corpus import EmbedError
+from .storage import bounded
+from .storage.journal import digest
 
 log = logging.getLogger(__name__)
 
 INDEX = "index.json"
 TRUNCATED = "truncated.json"
 FORMAT = "bert_port-embeddings/1"
+
+
+class EmbedError(ValueError):
+    """An input, flag or output folder that `bert-port-embed` cannot use; the message says
+    what is wrong and what to do. The command prints it and exits 2."""
 
 
 def shard_names(k: int) -> tuple[str, str]:
