@@ -59,3 +59,13 @@ def test_no_module_is_over_the_line_cap():
         str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert not over, f"modules over {MAX_LINES} lines (split them by job, along the direction of dependency): {over}"
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages (configs/ maps to one, so none is discovered): a package
+    left off is missing from the wheel, which `make wheel-check` finds only at the end of CI."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "bert_port").rglob("__init__.py")}
+    assert found <= listed, f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
