@@ -2,7 +2,7 @@
 
 import sys
 
-from bert_port.cli.embed import main
+from bert_port.cli.embed import command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

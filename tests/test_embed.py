@@ -267,7 +267,7 @@ def test_torchrun_equals_one_process(minilm_path, corpus, tmp_path):
 
 
 PEAK = (
-    "import sys\nfrom bert_port.cli.embed import main\nrc = main(sys.argv[1:])\n"
+    "import sys\nfrom bert_port.cli.embed import command\nrc = command()\n"
     "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\nsys.exit(rc)\n"
 )
 

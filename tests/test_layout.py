@@ -68,4 +68,6 @@ def test_every_package_is_listed_for_the_wheel():
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "bert_port").rglob("__init__.py")}
-    assert found <= listed, f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
+    assert found <= listed, (
+        f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
+    )

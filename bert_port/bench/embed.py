@@ -11,11 +11,12 @@ default) and saves the array. Both get OMP_NUM_THREADS (and the worker `torch.se
 It prints each run's wall time, the median of the per-repetition ratios, and the largest
 difference between the two outputs against the float32 tolerance.
 
-    python -m bert_port.bench.embed --memory 2000,20000 [--before DIR]
+    python -m bert_port.bench.embed --memory 2000,20000 [--memory-repeats 3] [--before DIR]
 
 prints instead the peak RSS (the process's own VmHWM) of `bert-port-embed` on each number of
-MR texts, and with `--before` the same runs of the `bert_port` package under DIR (another
-checkout), interleaved, with each run's wall time: what a change did to memory and speed.
+MR texts, the median of `--memory-repeats` runs, and with `--before` the same runs of the
+`bert_port` package under DIR (another checkout), interleaved, with each run's wall time: what
+a change did to memory and speed.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def measure(n: int, repeats: int, threads: int, extra: list[str]) -> dict:
     return {"times": times, "ratio": statistics.median(ratios), "max_abs_diff": float(diff.max()), "tol_share": share}
 
 
-# The command in a child that prints its own peak RSS (KiB) last.
+# The command in a child that prints its own peak RSS (KiB) last (`main` in checkouts before `command`).
 PEAK = (
-    "import sys\nfrom bert_port.cli.embed import main\nrc = main(sys.argv[1:])\n"
+    "import sys\nimport bert_port.cli.embed as cli\nrc = getattr(cli, 'command', cli.main)()\n"
     "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\nsys.exit(rc)\n"
 )
 
@@ -117,26 +118,32 @@ def peak_rss(n: int, threads: int, extra: list[str], code: str | None = None) ->
         _write_texts(src, n)
         command = [sys.executable, "-c", PEAK, "--model", str(minilm_dir()), "--no-progress", *extra, str(src)]
         start = time.perf_counter()
-        done = subprocess.run([*command, str(Path(tmp) / "out")], env=env, capture_output=True, text=True)
+        # cwd: `python -c` puts the working folder first on sys.path, ahead of PYTHONPATH.
+        done = subprocess.run([*command, str(Path(tmp) / "out")], env=env, capture_output=True, text=True, cwd=tmp)
         seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"bert-port-embed failed: {done.stderr.strip()[-500:]}")
     return int(done.stdout.split()[-1]) / 1024, seconds
 
 
-def memory(sizes: list[int], threads: int, extra: list[str], before: str | None) -> int:
-    """The `--memory` table: each size, this code and (with `before`) the other, interleaved."""
+def memory(sizes: list[int], threads: int, extra: list[str], before: str | None, repeats: int = 3) -> int:
+    """The `--memory` table: each size `repeats` times, this code and (with `before`) the other,
+    interleaved; the ratio of the medians."""
     variants = {"this checkout": None, **({f"before ({before})": before} if before else {})}
     print(f"peak RSS of bert-port-embed, all-MiniLM-L6-v2, MR texts, {threads} threads, one process per run")
-    print("| code | texts | peak RSS MiB | wall s |")
-    print("|---|---|---|---|")
+    print("| code | texts | peak RSS MiB (median) | runs MiB | wall s (median) |")
+    print("|---|---|---|---|---|")
     peaks: dict[str, dict[int, float]] = {name: {} for name in variants}
-    for i, n in enumerate(sizes):
-        names = list(variants) if i % 2 == 0 else list(variants)[::-1]
-        for name in names:
-            peak, seconds = peak_rss(n, threads, extra, variants[name])
-            peaks[name][n] = peak
-            print(f"| {name} | {n} | {peak:.1f} | {seconds:.1f} |", flush=True)
+    for n in sizes:
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        for r in range(repeats):
+            for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+                runs[name].append(peak_rss(n, threads, extra, variants[name]))
+        for name, got in runs.items():
+            peaks[name][n] = statistics.median(p for p, _ in got)
+            each = ", ".join(f"{p:.1f}" for p, _ in got)
+            wall = statistics.median(s for _, s in got)
+            print(f"| {name} | {n} | {peaks[name][n]:.1f} | {each} | {wall:.1f} |", flush=True)
     for name, by_size in peaks.items():
         low, high = by_size[min(sizes)], by_size[max(sizes)]
         print(f"{name}: {max(sizes)} texts peak at {high / low:.3f}x that at {min(sizes)} ({high - low:+.1f} MiB)")
@@ -157,13 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--before", default=None, help="with --memory: also run the bert_port package under this folder"
     )
+    parser.add_argument("--memory-repeats", type=int, default=3, help="with --memory: runs per size (median)")
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "INPUT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _st_worker(args.worker[1], args.worker[2])
         return 0
     if args.memory:
-        return memory([int(n) for n in args.memory.split(",")], args.threads, args.embed_args.split(), args.before)
+        return memory(
+            [int(n) for n in args.memory.split(",")],
+            args.threads,
+            args.embed_args.split(),
+            args.before,
+            args.memory_repeats,
+        )
     from bert_port.extras import MissingExtra, require
 
     try:

@@ -113,5 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def command() -> int:
+    """The `bert-port-embed` command: `main` in a process of its own, where large blocks are
+    mapped apart so that the peak memory stays flat over a long corpus (`run.map_large_blocks`)."""
+    from bert_port.embed.run import map_large_blocks
+
+    map_large_blocks()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -176,6 +176,7 @@ def _compute(job: Job, rank: int, size: int) -> tuple[int, int]:
                 embeddings, n_tokens, truncated = embedder(chunk)
                 meta = {"run": job.run_id, "tokens": n_tokens, "truncated": truncated}
                 write_shard(job.output, k, embeddings.to(dtype), [r.id for r in chunk], meta)
+                del embeddings, chunk  # freed before the next shard is read, not after it
                 tokens += n_tokens
             if k >= max(todo):
                 break

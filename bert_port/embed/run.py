@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Tokenizer
 
 from .. import checkpoint as ckpt
 from .. import embedding_store as store
@@ -130,18 +130,32 @@ def run_settings(encoder: SentenceEncoder, root: Path, found: Scan, columns: Col
     }
 
 
-def _collate(encodings: list[Encoding], pad_id: int) -> dict[str, torch.Tensor]:
-    """Encodings -> (B, T) input_ids, token_type_ids, attention_mask, padded on the right."""
-    T = max(len(e.ids) for e in encodings)
-    ids = torch.full((len(encodings), T), pad_id, dtype=torch.long)
-    types = torch.zeros(len(encodings), T, dtype=torch.long)
-    mask = torch.zeros(len(encodings), T, dtype=torch.long)
-    for i, e in enumerate(encodings):
-        n = len(e.ids)
-        ids[i, :n] = torch.tensor(e.ids)
-        types[i, :n] = torch.tensor(e.type_ids)
-        mask[i, :n] = 1
-    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+def _collate(ids: list[list[int]], types: list[list[int]] | None, pad_id: int) -> dict[str, torch.Tensor]:
+    """Token id lists (and segment ids, for pairs) -> (B, T) input_ids, token_type_ids,
+    attention_mask, padded on the right."""
+    T = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), T), pad_id, dtype=torch.long)
+    token_types = torch.zeros(len(ids), T, dtype=torch.long)
+    mask = torch.zeros(len(ids), T, dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+        if types is not None:
+            token_types[i, : len(row)] = torch.tensor(types[i])
+    return {"input_ids": input_ids, "token_type_ids": token_types, "attention_mask": mask}
+
+
+def tokenize(
+    tokenizer: Tokenizer, inputs: list, pairs: bool
+) -> tuple[list[list[int]], list[list[int]] | None, list[bool]]:
+    """A window's token ids, segment ids (pairs only) and which texts were cut. Only the id
+    lists are kept: a `tokenizers.Encoding` also holds the tokens' strings, offsets and masks,
+    about ten times the ids' memory, for a whole sort window at a time."""
+    encodings = tokenizer.encode_batch(inputs)
+    ids = [e.ids for e in encodings]
+    types = [e.type_ids for e in encodings] if pairs else None
+    cut = [bool(e.overflowing) for e in encodings]
+    return ids, types, cut
 
 
 def batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
@@ -171,10 +185,26 @@ def return_free_memory() -> None:
     """Give the heap's free pages back to the system. Batches of changing shapes free and
     allocate activations of every size; glibc keeps what they free in its heap, so a long run's
     peak RSS grew with the corpus (+490 MiB at 20,000 texts against 2,000 on the AVX2 kernels)
-    while little of it was in use. A trim after each batch keeps it flat."""
+    while little of it was in use. A trim after each batch keeps it flatter."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> None:
+    """Serve blocks of `threshold` bytes or more from their own mappings (glibc `mallopt`), so
+    that freeing an activation returns its pages at once. glibc raises its threshold as large
+    blocks are freed (up to 32 MiB), after which activations land in the heap, where a trim
+    cannot return what lies below a live block. For `bert-port-embed`'s own process only: the
+    setting is process-wide, so the library never sets it in a user's process."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 class ShardEmbedder:
@@ -209,16 +239,18 @@ class ShardEmbedder:
         tokens, truncated = 0, []
         for start in range(0, len(shard), self.opts.sort_window):
             window = shard[start : start + self.opts.sort_window]
-            encodings = self.tokenizer.encode_batch(self._inputs(window))  # each text tokenized once
-            truncated += [r.id for r, e in zip(window, encodings) if e.overflowing]
-            for group in batches([len(e.ids) for e in encodings], self.opts.batch_tokens):
+            ids, types, cut = tokenize(self.tokenizer, self._inputs(window), window[0].pair is not None)
+            truncated += [r.id for r, c in zip(window, cut) if c]
+            for group in batches([len(row) for row in ids], self.opts.batch_tokens):
                 if self.governor is not None:
                     self.governor.step()
-                batch = {k: v.to(device) for k, v in _collate([encodings[i] for i in group], self.pad_id).items()}
+                rows = [ids[i] for i in group]
+                batch = _collate(rows, None if types is None else [types[i] for i in group], self.pad_id)
+                batch = {k: v.to(device) for k, v in batch.items()}
                 out[[start + i for i in group]] = self.encoder(**batch).float().cpu()
                 del batch
                 return_free_memory()
-                n_tokens = sum(len(encodings[i].ids) for i in group)
+                n_tokens = sum(len(row) for row in rows)
                 tokens += n_tokens
                 if self.bar is not None:
                     self.bar.add(len(group), n_tokens)
