@@ -101,7 +101,7 @@ def test_max_length_beyond_the_position_table_is_refused_before_training(tmp_pat
     assert_refused(
         code,
         capsys,
-        "--max-length 1024 exceeds the model's max_position_embeddings (64)",
+        "--max-length 1024 exceeds the longest sequence the model encodes (64 tokens",
         "use --max-length 64 or less",
     )
     assert not out.exists()

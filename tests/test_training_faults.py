@@ -93,7 +93,7 @@ def test_predict_function_refuses_a_batch_size_that_would_leave_rows_unwritten(t
 def test_predict_refuses_bad_input_with_exit_2(trained, data, tmp_path, capsys, case):
     src, out, extra = data["validation"], tmp_path / "pred.csv", []
     message = {
-        "max-length-1024": "exceeds the model's max_position_embeddings (64)",
+        "max-length-1024": "exceeds the longest sequence the model encodes (64 tokens",
         "max-length-2": "leaves no room for text beside [CLS] and [SEP]",
         "missing-input": "does not exist",
         "empty-input": "is empty",

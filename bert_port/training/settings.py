@@ -351,7 +351,8 @@ def check_max_length(max_length: int, max_positions: int | None, pairs: bool = F
         )
     if max_positions is not None and max_length > max_positions:
         raise FinetuneError(
-            f"{flag} {max_length} exceeds the model's max_position_embeddings ({max_positions}): "
+            f"{flag} {max_length} exceeds the longest sequence the model encodes ({max_positions} tokens: "
+            "its max_position_embeddings, less the padding offset in RoBERTa's family): "
             f"sequences that long cannot be encoded; use {flag} {max_positions} or less"
         )
 
