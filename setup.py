@@ -34,7 +34,7 @@ def variants() -> dict[str, list[str]]:
 
 
 def extension(variant: str, march: list[str]) -> Extension:
-    sources = ["module.c", "attention.c", "int8_rows.c", "amx_linear.c", "f32_linear.c"]
+    sources = ["module.c", "attention.c", "int8_rows.c", "amx_linear.c", "f32_linear.c", "heap.c"]
     return Extension(
         f"bert_port.speed._kernels_{variant}",
         sources=[f"{CSRC}/{name}" for name in sources],

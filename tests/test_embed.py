@@ -19,6 +19,7 @@ import torch
 from conftest import TOL
 
 from bert_port import BertConfig, BertModel, SentenceEncoder
+from bert_port.bench.embed import PEAK  # the command in a child, printing its peak RSS
 from bert_port.cli.embed import main
 from bert_port.data import load_mr
 from bert_port.embed import read_embeddings, read_index
@@ -264,12 +265,6 @@ def test_torchrun_equals_one_process(minilm_path, corpus, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert _files(one) == _files(two)
-
-
-PEAK = (
-    "import sys\nfrom bert_port.cli.embed import command\nrc = command()\n"
-    "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\nsys.exit(rc)\n"
-)
 
 
 def _peak_kib(model, src, out) -> int:

@@ -6,6 +6,7 @@ thread count, and a forward with no compiler and a read-only home, the same bits
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -228,3 +229,17 @@ def test_a_nan_in_a_row_makes_that_row_nan(path, monkeypatch):
         assert out[3].isnan().all(), name
         rest = torch.arange(x.shape[0]) != 3
         assert torch.equal(out[rest], clean[rest]), name
+
+
+@needs_kernels
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="the heap settings are glibc's; elsewhere they do nothing"
+)
+def test_the_heap_settings_take_effect_on_glibc():
+    """`map_large_blocks` and `trim_heap` (heap.c, for bert-port-embed's process) reach glibc: mallopt
+    and malloc_trim say they did. In a child, since the setting is process-wide."""
+    code = (
+        "from bert_port.speed import kernels; l = kernels._library(); print(l.heap_map_above(1 << 20), l.heap_trim())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split()[0] == "1", done.stdout  # mallopt returns 1 on success; heap_trim 0 or 1

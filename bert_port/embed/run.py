@@ -16,9 +16,6 @@ not at all; a rerun skips the shards whose ids file carries this run's fingerpri
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import hashlib
 import json
 import logging
@@ -34,6 +31,7 @@ from tokenizers import Tokenizer
 from .. import checkpoint as ckpt
 from .. import embedding_store as store
 from ..sentence import SentenceEncoder
+from ..speed import kernels
 from ..threads import ThreadGovernor
 from ..tokenization import pad_token_id
 from .corpus import Columns, EmbedError, Record, Scan, describe
@@ -172,39 +170,22 @@ def batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
         yield group
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None elsewhere (musl, macOS, Windows)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def return_free_memory() -> None:
     """Give the heap's free pages back to the system. Batches of changing shapes free and
     allocate activations of every size; glibc keeps what they free in its heap, so a long run's
     peak RSS grew with the corpus (+490 MiB at 20,000 texts against 2,000 on the AVX2 kernels)
     while little of it was in use. A trim after each batch keeps it flatter."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+    kernels.trim_heap()
 
 
 def map_large_blocks(threshold: int = 1 << 20) -> None:
-    """Serve blocks of `threshold` bytes or more from their own mappings (glibc `mallopt`), so
-    that freeing an activation returns its pages at once. glibc raises its threshold as large
-    blocks are freed (up to 32 MiB), after which activations land in the heap, where a trim
-    cannot return what lies below a live block. For `bert-port-embed`'s own process only: the
-    setting is process-wide, so the library never sets it in a user's process."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(M_MMAP_THRESHOLD, threshold)
+    """Serve blocks of `threshold` bytes or more from their own mappings, so that freeing an
+    activation returns its pages at once. glibc raises its threshold as large blocks are freed
+    (up to 32 MiB), after which activations land in the heap, where a trim cannot return what
+    lies below a live block. For `bert-port-embed`'s own process only: the setting is
+    process-wide, so the library never sets it in a user's process. Both need the installed
+    extension (bert_port/speed/csrc/heap.c); without it they do nothing."""
+    kernels.map_large_blocks(threshold)
 
 
 class ShardEmbedder:

@@ -10,6 +10,8 @@ with a known output, and the checks on its tensors live here, not in the callers
 - `bert_port::amx_linear`: bf16 GEMMs on AMX tiles (amx_linear.c), where the CPU has AMX;
 - `bert_port::f32_linear`: fp32 GEMMs on AVX2 (f32_linear.c), in the variants `F32_VARIANTS` names.
 
+Beside them, not ops: `trim_heap` and `map_large_blocks`, glibc's heap settings (heap.c).
+
 Nothing is compiled or loaded from outside the installed package. Where no variant is installed
 (a pure-Python install, `BERT_PORT_KERNELS=0`), `available()` is False, a warning says so once,
 and the callers run PyTorch equivalents, which give other bits (docs/architecture.md).
@@ -119,6 +121,22 @@ def f32_linear_ready() -> bool:
     """Whether fp32 dense layers run on the AVX2 kernel here."""
     library = _library()
     return library is not None and library.variant in F32_VARIANTS and library.f32_linear_ready()
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc `malloc_trim`; nothing elsewhere or
+    without the extension)."""
+    library = _library()
+    if library is not None:
+        library.heap_trim()
+
+
+def map_large_blocks(threshold: int) -> None:
+    """Serve blocks of `threshold` bytes or more from mappings of their own (glibc `mallopt`
+    M_MMAP_THRESHOLD), for the whole process: a command's own, never a user's."""
+    library = _library()
+    if library is not None:
+        library.heap_map_above(threshold)
 
 
 def _address(t: Tensor | None) -> int:

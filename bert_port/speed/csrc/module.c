@@ -17,6 +17,8 @@ int amx_emulated(void);
 int amx_linear(const uint16_t *x, int64_t N, int64_t K, int64_t ldx, const uint16_t *wp, int64_t M,
                const float *bias, int act, const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo,
                int64_t cols, int threads);
+int heap_trim(void);
+int heap_map_above(size_t threshold);
 int f32_linear_ready(void);
 int f32_linear(const float *x, int64_t N, int64_t K, int64_t ldx, const float *wp, int64_t M, const float *bias,
                const float *res, int64_t ldr, float *out, int64_t ldo, int threads);
@@ -88,6 +90,14 @@ static PyObject *py_f32_linear(PyObject *self, PyObject *args) {
   Py_END_ALLOW_THREADS return PyLong_FromLong(failed);
 }
 
+static PyObject *py_heap_trim(PyObject *self, PyObject *args) { return PyLong_FromLong(heap_trim()); }
+
+static PyObject *py_heap_map_above(PyObject *self, PyObject *args) {
+  Py_ssize_t threshold;
+  if (!PyArg_ParseTuple(args, "n", &threshold)) return NULL;
+  return PyLong_FromLong(heap_map_above((size_t)threshold));
+}
+
 static PyMethodDef methods[] = {
     {"packed_attention", py_packed_attention, METH_VARARGS, "csrc/attention.c"},
     {"quantize_rows", py_quantize_rows, METH_VARARGS, "csrc/int8_rows.c"},
@@ -97,6 +107,8 @@ static PyMethodDef methods[] = {
     {"amx_linear", py_amx_linear, METH_VARARGS, "csrc/amx_linear.c"},
     {"f32_linear_ready", py_f32_linear_ready, METH_NOARGS, "csrc/f32_linear.c: built with AVX2 and FMA"},
     {"f32_linear", py_f32_linear, METH_VARARGS, "csrc/f32_linear.c"},
+    {"heap_trim", py_heap_trim, METH_NOARGS, "csrc/heap.c: glibc malloc_trim(0)"},
+    {"heap_map_above", py_heap_map_above, METH_VARARGS, "csrc/heap.c: glibc mallopt(M_MMAP_THRESHOLD, n)"},
     {NULL, NULL, 0, NULL},
 };
 
