@@ -65,13 +65,25 @@ static void block(int rows, const float *x, int64_t ldx, const float *wp, int64_
   STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
 }
 
-/* The rows r0..r0+n-1 and columns c0..c0+cols-1 of y (cols a multiple of 16). */
-static void task(const float *x, int64_t ldx, int64_t K, const float *wp, const float *bias, const float *res,
-                 int64_t ldr, float *out, int64_t ldo, int64_t r0, int64_t n, int64_t c0, int64_t cols) {
-  for (int64_t c = c0; c < c0 + cols; c += NR)
-    for (int64_t r = r0; r < r0 + n; r += MR)
+/* The rows r0..r0+n-1 and columns c0..c0+cols-1 of y (cols a multiple of 16; M outputs in all).
+ * Before each block of rows, a share of the next panel's K cache lines (one k of a panel is one
+ * line) is prefetched into L1, so that the panel's first block finds its weights there instead of in
+ * L3 or memory: a model's weights do not stay in a shared L3 from one call to the next (the gain is
+ * in docs/architecture.md). The next panel of the last one is the first: the next row block's. */
+static void task(const float *x, int64_t ldx, int64_t K, const float *wp, int64_t M, const float *bias,
+                 const float *res, int64_t ldr, float *out, int64_t ldo, int64_t r0, int64_t n, int64_t c0,
+                 int64_t cols) {
+  const int64_t share = (K + (n + MR - 1) / MR - 1) / ((n + MR - 1) / MR);
+  for (int64_t c = c0; c < c0 + cols; c += NR) {
+    const float *next = wp + (c + NR < M ? c + NR : 0) * K;
+    int64_t line = 0;
+    for (int64_t r = r0; r < r0 + n; r += MR) {
+      for (const int64_t end = line + share < K ? line + share : K; line < end; line++)
+        _mm_prefetch((const char *)(next + line * NR), _MM_HINT_T0);
       block(r0 + n - r < MR ? (int)(r0 + n - r) : MR, x + r * ldx, ldx, wp + c * K, K, bias ? bias + c : NULL,
             res ? res + r * ldr + c : NULL, ldr, out + r * ldo + c, ldo);
+    }
+  }
 }
 
 /* x (N, K) float32, row stride ldx; wp the packed weight of M outputs (M a multiple of 16); bias (M)
@@ -94,7 +106,7 @@ int f32_linear(const float *x, int64_t N, int64_t K, int64_t ldx, const float *w
     int cursor = 0, k;
     for (int64_t t; (t = next_task(ranges, threads, omp_get_thread_num(), &cursor, &k)) >= 0;) {
       const int64_t r0 = (ranges[k].first + t / chunks) * ROW_BLOCK, c0 = t % chunks * COLUMNS;
-      task(x, ldx, K, wp, bias, res, ldr, out, ldo, r0, N - r0 < ROW_BLOCK ? N - r0 : ROW_BLOCK, c0,
+      task(x, ldx, K, wp, M, bias, res, ldr, out, ldo, r0, N - r0 < ROW_BLOCK ? N - r0 : ROW_BLOCK, c0,
            M - c0 < COLUMNS ? M - c0 : COLUMNS);
     }
   }
