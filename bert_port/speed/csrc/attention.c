@@ -159,7 +159,7 @@ static void weighted_values(const float *pt, const float *v, int64_t ldv, int64_
   }
 }
 
-#if W == 16
+#if W == 16 || W == 8
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -167,26 +167,41 @@ static void weighted_values(const float *pt, const float *v, int64_t ldv, int64_
 #endif
 
 /* Rows t and t + 2^k of r (bit k of t clear) trade the halves that swap bit k of the row index with
- * bit k of the lane index: after the four stages, r is transposed. */
-#define STAGE(k, ...)                                                                                   \
+ * bit k of the lane index: after log2(W) stages, r is transposed. */
+#define STAGE(k)                                                                                        \
   for (int t = 0; t < W; t++)                                                                           \
     if (!(t & (1 << k))) {                                                                              \
       const vf a = r[t], b = r[t + (1 << k)];                                                           \
-      r[t] = SHUFFLE(a, b, __VA_ARGS__);                                                                \
+      r[t] = SHUFFLE(a, b, LOWER_##k);                                                                  \
       r[t + (1 << k)] = SHUFFLE(a, b, UPPER_##k);                                                       \
     }
+#if W == 16
+#define LOWER_0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
 #define UPPER_0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define LOWER_1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
 #define UPPER_1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LOWER_2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
 #define UPPER_2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LOWER_3 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define UPPER_3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#else
+#define LOWER_0 0, 8, 2, 10, 4, 12, 6, 14
+#define UPPER_0 1, 9, 3, 11, 5, 13, 7, 15
+#define LOWER_1 0, 1, 8, 9, 4, 5, 12, 13
+#define UPPER_1 2, 3, 10, 11, 6, 7, 14, 15
+#define LOWER_2 0, 1, 2, 3, 8, 9, 10, 11
+#define UPPER_2 4, 5, 6, 7, 12, 13, 14, 15
+#endif
 
-/* A 16 x 16 block of floats, one vector a row, transposed in registers (64 two-vector shuffles,
- * where a scalar copy makes 256 loads and 256 stores). */
-static inline void transpose16(vf r[W]) {
-  STAGE(0, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
-  STAGE(1, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
-  STAGE(2, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
-  STAGE(3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+/* A W x W block of floats, one vector a row, transposed in registers (W log2(W) two-vector
+ * shuffles, where a scalar copy makes W^2 loads and W^2 stores). */
+static inline void transpose_block(vf r[W]) {
+  STAGE(0)
+  STAGE(1)
+  STAGE(2)
+#if W == 16
+  STAGE(3)
+#endif
 }
 
 /* q's L rows (row stride ld, hs a multiple of W) transposed to qt (hs, Lp), zero past L. */
@@ -195,12 +210,12 @@ static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64
     for (int64_t d = 0; d < hs; d += W) {
       vf r[W];
       for (int t = 0; t < W; t++) r[t] = i + t < L ? *(const vfu *)(q + (i + t) * ld + d) : (vf){0};
-      transpose16(r);
+      transpose_block(r);
       for (int t = 0; t < W; t++) *(vf *)(qt + (d + t) * Lp + i) = r[t];
     }
 }
 #else
-/* The same, element by element (narrower vectors: the copy is a smaller share of the work). */
+/* The same, element by element (SSE's 4-float vectors: the copy is a smaller share of the work). */
 static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64_t hs, float *qt) {
   for (int64_t d = 0; d < hs; d++)
     for (int64_t i = 0; i < Lp; i++) qt[d * Lp + i] = i < L ? q[i * ld + d] : 0.0f;
@@ -209,8 +224,8 @@ static void transpose_q(const float *q, int64_t ld, int64_t L, int64_t Lp, int64
 
 /* One head of one sequence: its L rows of qkv (row stride ld; q, k and v at 0, H and 2H, this head
  * at h * hs) -> its L rows of out (row stride ldo, at h * hs). A float32 head of whole vectors has
- * its k and v read where they lie and its q transposed (16 x 16 in registers where vectors are 16
- * floats); a bf16 one, or one of another size, is copied as float32 first (v padded with zeros to
+ * its k and v read where they lie and its q transposed (W x W in registers where vectors are 8 or
+ * 16 floats); a bf16 one, or one of another size, is copied as float32 first (v padded with zeros to
  * whole vectors). */
 static void head(const void *qkv, int bf16, int64_t ld, int64_t H, int64_t L, int64_t hs, float scale, void *out,
                  int64_t ldo, float *scratch) {
