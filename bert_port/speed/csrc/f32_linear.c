@@ -73,7 +73,7 @@ static void block(int rows, const float *x, int64_t ldx, const float *wp, int64_
 static void task(const float *x, int64_t ldx, int64_t K, const float *wp, int64_t M, const float *bias,
                  const float *res, int64_t ldr, float *out, int64_t ldo, int64_t r0, int64_t n, int64_t c0,
                  int64_t cols) {
-  const int64_t share = (K + (n + MR - 1) / MR - 1) / ((n + MR - 1) / MR);
+  const int64_t blocks = (n + MR - 1) / MR, share = (K + blocks - 1) / blocks; /* lines per block */
   for (int64_t c = c0; c < c0 + cols; c += NR) {
     const float *next = wp + (c + NR < M ? c + NR : 0) * K;
     int64_t line = 0;
