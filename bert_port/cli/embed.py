@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def command() -> int:
     """The `bert-port-embed` command: `main` in a process of its own, where large blocks are
-    mapped apart so that the peak memory stays flat over a long corpus (`run.map_large_blocks`)."""
-    from bert_port.embed.run import map_large_blocks
+    mapped apart so that the peak memory stays flat over a long corpus (`kernels.map_large_blocks`)."""
+    from bert_port.speed import kernels
 
-    map_large_blocks()
+    kernels.map_large_blocks()
     return main()
 
 

@@ -170,24 +170,6 @@ def batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
         yield group
 
 
-def return_free_memory() -> None:
-    """Give the heap's free pages back to the system. Batches of changing shapes free and
-    allocate activations of every size; glibc keeps what they free in its heap, so a long run's
-    peak RSS grew with the corpus (+490 MiB at 20,000 texts against 2,000 on the AVX2 kernels)
-    while little of it was in use. A trim after each batch keeps it flatter."""
-    kernels.trim_heap()
-
-
-def map_large_blocks(threshold: int = 1 << 20) -> None:
-    """Serve blocks of `threshold` bytes or more from their own mappings, so that freeing an
-    activation returns its pages at once. glibc raises its threshold as large blocks are freed
-    (up to 32 MiB), after which activations land in the heap, where a trim cannot return what
-    lies below a live block. For `bert-port-embed`'s own process only: the setting is
-    process-wide, so the library never sets it in a user's process. Both need the installed
-    extension (bert_port/speed/csrc/heap.c); without it they do nothing."""
-    kernels.map_large_blocks(threshold)
-
-
 class ShardEmbedder:
     """Computes one shard: (records) -> (n, D) embeddings in input order, the real-token
     count and the ids of the texts cut to `max_seq_length`."""
@@ -230,7 +212,9 @@ class ShardEmbedder:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 out[[start + i for i in group]] = self.encoder(**batch).float().cpu()
                 del batch
-                return_free_memory()
+                # Batches of changing shapes free activations of every size, which glibc keeps in
+                # its heap: a long run's peak RSS grew with the corpus while little was in use.
+                kernels.trim_heap()
                 n_tokens = sum(len(row) for row in rows)
                 tokens += n_tokens
                 if self.bar is not None:

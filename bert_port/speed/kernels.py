@@ -131,9 +131,12 @@ def trim_heap() -> None:
         library.heap_trim()
 
 
-def map_large_blocks(threshold: int) -> None:
+def map_large_blocks(threshold: int = 1 << 20) -> None:
     """Serve blocks of `threshold` bytes or more from mappings of their own (glibc `mallopt`
-    M_MMAP_THRESHOLD), for the whole process: a command's own, never a user's."""
+    M_MMAP_THRESHOLD), so that freeing an activation returns its pages at once: glibc raises its
+    own threshold as large blocks are freed (up to 32 MiB), after which activations land in the
+    heap, where a trim cannot return what lies below a live block. Process-wide, so only a
+    command sets it in its own process (`bert-port-embed`), never the library in a user's."""
     library = _library()
     if library is not None:
         library.heap_map_above(threshold)
