@@ -13,6 +13,7 @@ compared (the eager default model leaves them zeros). docs/export.md has the det
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .storage.staging import StagedWrite
 from .tolerance import Tolerance, tolerance_for
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -51,6 +53,8 @@ class OnnxExport:
     outputs: list[str]
     tolerance: Tolerance
     worst: dict[str, float] = field(default_factory=dict)
+    sha256: str = ""  # of the file that passed the check
+    size: int = 0  # its bytes
 
 
 class _Outputs(nn.Module):
@@ -101,10 +105,37 @@ def _quiet_exporter():
         logger.setLevel(level)
 
 
-def export_onnx(model: nn.Module, path: str | os.PathLike, tokenizer) -> OnnxExport:
+def export_onnx(
+    model: nn.Module, path: str | os.PathLike, tokenizer, *, stage: StagedWrite | None = None
+) -> OnnxExport:
     """Write `model` (float32, CPU) to the ONNX file `path`, inputs `INPUTS` with dynamic batch
-    and sequence, outputs the model's own tensor outputs by name; then check it in ONNX Runtime
-    (`check_onnx`). Raises `ExportError` on a model that cannot export or a file that fails the check."""
+    and sequence, outputs the model's own tensor outputs by name; then check the file in ONNX
+    Runtime (`check_onnx`). The file is staged as every save is (`storage.staging`): a random
+    temporary in its folder, created exclusively and never written through a link, checked, then
+    renamed over `path` in one step; `stage`, a `StagedWrite` of `path`'s folder, commits it with
+    that write's other files (the CLI's config and tokenizer), else it commits on its own. The
+    folder's lock makes exports into one folder take turns, so each checks its own file.
+    Raises `ExportError` on a model that cannot export or a file that fails the check."""
+    path = Path(path)
+    if stage is None:
+        with StagedWrite(path.parent) as own:
+            return export_onnx(model, path, tokenizer, stage=own)
+    if Path(stage.directory).resolve() != path.parent.resolve():
+        raise ValueError(f"{path} is not in the folder {stage.directory} that `stage` writes")
+    from .tokenization import encode
+
+    data, names = _traced(model, tokenizer)
+    staged = stage.data(path.name, data)
+    del data
+    written = _read_file(staged)  # what is checked is what the folder holds, read back
+    checked = {k: v for k, v in encode(tokenizer, list(CHECK_TEXTS)).items() if k in INPUTS}
+    worst = _check_file(written, path, model, checked, names)
+    sha256 = hashlib.sha256(written).hexdigest()
+    return OnnxExport(path, names, tolerance_for(torch.float32), worst, sha256, len(written))
+
+
+def _traced(model: nn.Module, tokenizer) -> tuple[bytes, list[str]]:
+    """The ONNX file of `model`, as bytes, and its output names."""
     from .extras import require
     from .tokenization import encode
 
@@ -112,7 +143,6 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, tokenizer) -> OnnxExp
         require(module, "ONNX export")
     _check_exportable(model)
     model.eval()
-    path = Path(path)
     traced = {k: v for k, v in encode(tokenizer, list(TRACE_TEXTS)).items() if k in INPUTS}
     names = output_names(model, traced)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=model.config.max_position_embeddings)
@@ -125,23 +155,39 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, tokenizer) -> OnnxExp
             output_names=names,
             dynamo=True,
         )
-        program.save(path, external_data=False)
-    checked = {k: v for k, v in encode(tokenizer, list(CHECK_TEXTS)).items() if k in INPUTS}
-    return OnnxExport(path, names, tolerance_for(torch.float32), check_onnx(path, model, checked, names))
+        try:
+            return program.model_proto.SerializeToString(), names
+        except ValueError as exc:  # protobuf's 2 GiB limit on one message
+            raise ExportError(
+                f"the model does not fit one ONNX file ({exc}): export a model under 2 GiB of float32 weights"
+            ) from None
+
+
+def _read_file(path: Path) -> bytes:
+    """The bytes of `path`, never read through a link: what was checked is the file itself."""
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        return f.read()
 
 
 def check_onnx(
     path: str | os.PathLike, model: nn.Module, batch: dict[str, Tensor], names: list[str]
 ) -> dict[str, float]:
-    """Each output's largest |onnxruntime - eager| on `batch` (per-token outputs on real tokens
-    only). An output passes within the float32 tolerance, or, where the model's own two paths
+    """The ONNX file `path` (never read through a link) checked by `_check_file`."""
+    return _check_file(_read_file(Path(path)), path, model, batch, names)
+
+
+def _check_file(
+    data: bytes, path: str | os.PathLike, model: nn.Module, batch: dict[str, Tensor], names: list[str]
+) -> dict[str, float]:
+    """Each output's largest |onnxruntime - eager| on `batch` for the ONNX file `data` (read
+    from `path`), per-token outputs on real tokens only. An output passes within the float32 tolerance, or, where the model's own two paths
     (packed, and the padded one the file computes) are further apart than that, within twice
     their distance: a vocabulary's logits sum 30,522 rounding errors of the hidden states, and
     all-MiniLM-L6-v2's MLM logits differ by 1.3e-5 between the port's own paths. `ExportError`
     names the first output beyond both."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     got = dict(zip(names, session.run(names, {name: batch[name].numpy() for name in INPUTS})))
     real = batch["attention_mask"].bool()  # (B, T)
     expected, spread = _eager_and_spread(model, batch, names, real)

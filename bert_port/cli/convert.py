@@ -137,6 +137,9 @@ def _names(keys: list[str], limit: int = 8) -> str:
 
 def _refusal(dst: Path, source_dir: Path, overwrite: bool) -> str | None:
     """Why DST may not be written, or None."""
+    blocker = next((p for p in (dst, *dst.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"DST {dst} cannot be a folder: {blocker} is a file. Give the path of a folder (created if missing)"
     if dst.exists() and dst.resolve() == source_dir.resolve():
         return f"DST {dst} is the source directory; write to a new directory"
     existing = _holds_checkpoint(dst)
@@ -234,10 +237,10 @@ def convert(args: argparse.Namespace) -> int:
 
 def to_onnx(args: argparse.Namespace, dst: Path, folder: Path) -> int:
     """SRC's model, as `from_pretrained` gives it (float32, the speed layer on), exported to
-    DST/model.onnx by `onnx_export.export_onnx` and checked there; SRC's config and tokenizer
-    files copied beside it. The file is written under a temporary name and renamed once checked."""
-    import shutil
-
+    DST/model.onnx by `onnx_export.export_onnx` and checked there, with SRC's config and
+    tokenizer files beside it: one staged write of DST, as a save is (random temporaries, one
+    commit, DST locked throughout, so exports into one folder take turns and each checks and
+    reports its own file)."""
     from bert_port import checkpoint as ckpt
     from bert_port import speed
     from bert_port.onnx_export import ExportError, export_onnx
@@ -252,27 +255,23 @@ def to_onnx(args: argparse.Namespace, dst: Path, folder: Path) -> int:
         files.config_file,
         *(files.directory / n for n in ckpt.TOKENIZER_FILES if (files.directory / n).is_file()),
     ]
-    clashes = [n for n in [ONNX_NAME, *(c.name for c in copies)] if (dst / n).exists()]
-    if clashes and not args.overwrite:
-        print(f"error: {dst} already holds {', '.join(clashes)}; pass --overwrite to replace them", file=sys.stderr)
-        return 2
     speed.optimize(model)
-    dst.mkdir(parents=True, exist_ok=True)
-    staged = dst / f".{ONNX_NAME}.tmp"  # this command's own temporary, removed on every way out
+    tokenizer = load_tokenizer(files.directory)
     try:
-        result = export_onnx(model, staged, load_tokenizer(files.directory))
-        staged.replace(dst / ONNX_NAME)
+        with ckpt.StagedWrite(dst) as stage:
+            clashes = [n for n in [ONNX_NAME, *(c.name for c in copies)] if (dst / n).exists()]
+            if clashes and not args.overwrite:  # under the lock: an export that finished meanwhile counts
+                raise ValueError(f"{dst} already holds {', '.join(clashes)}; pass --overwrite to replace them")
+            result = export_onnx(model, dst / ONNX_NAME, tokenizer, stage=stage)
+            for copy in copies:
+                stage.copy(copy.name, copy)
     except ExportError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    finally:
-        staged.unlink(missing_ok=True)
-    for copy in copies:
-        shutil.copyfile(copy, dst / copy.name)
-    size = ckpt.human_bytes((dst / ONNX_NAME).stat().st_size)
     print(f"source:    {files.weights_file}")
     print(f"model:     {type(model).__name__} ({model.config.num_hidden_layers} layers), float32")
-    print(f"written:   {dst}: {ONNX_NAME} ({size}), {', '.join(c.name for c in copies)}")
+    print(f"written:   {dst}: {ONNX_NAME} ({ckpt.human_bytes(result.size)}, sha256 {result.sha256}), "
+          f"{', '.join(c.name for c in copies)}")  # fmt: skip
     print(f"inputs:    input_ids, attention_mask, token_type_ids (batch and sequence dynamic, up to "
           f"{model.config.max_position_embeddings} tokens)")  # fmt: skip
     diffs = ", ".join(f"{name} {value:.2g}" for name, value in result.worst.items())

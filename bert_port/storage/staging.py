@@ -1,7 +1,8 @@
 """Staged writes: several files written into a folder as one unit, all or nothing.
 
-Each file is written to a hidden temporary in the folder (`.{name}.XXXXXXXX.tmp`), which the
-write records by name in its staging list before creating it. Leaving the block normally
+Each file is written to a hidden temporary in the folder (`.{name}.XXXXXXXX.tmp`, a random
+name), which the write records by name in its staging list before creating it exclusively;
+it is opened for writing without following links, so a link planted in its place is refused. Leaving the block normally
 commits: a journal naming every rename and deletion is renamed into place (the commit
 point), then the temporaries are renamed over their targets (shards before the index that
 names them, config last), the files scheduled with `remove` are deleted, and the journal
@@ -19,6 +20,7 @@ recorded. No other file is touched, whatever its name looks like.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -63,6 +65,30 @@ def _default_file_mode() -> int:
         umask = os.umask(0o022)
         os.umask(umask)
     return 0o666 & ~umask
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # absent on Windows, which has no such links to plant
+
+
+@contextmanager
+def _staged_file(tmp: Path) -> Iterator[io.BufferedWriter]:
+    """The temporary `tmp` (just created by this write) opened for writing, never through a
+    link: a link planted in its place fails the open instead of sending the bytes elsewhere."""
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW), "wb") as f:
+        yield f
+
+
+def _make_folder(directory: Path) -> None:
+    """Create `directory` (and its parents) to save into; `CheckpointError` in one line when it,
+    or a folder above it, is a file."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
+        raise CheckpointError(
+            f"cannot save into {directory}: {blocker} is a file, not a folder. Give the path of a folder "
+            "(it is created if missing), or move the file away"
+        ) from None
 
 
 def _fsync(path: Path) -> None:
@@ -256,7 +282,7 @@ class StagedWrite:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _make_folder(self.directory)
         self._staged: dict[str, Path] = {}  # target name -> temporary
         self._remove: list[str] = []
         self.committed: list[Path] = []
@@ -275,7 +301,7 @@ class StagedWrite:
         tmp = self.directory / f".{name.replace('/', '__')}.{_token()}.tmp"
         with open(self._list, "a", encoding="utf-8") as f:
             f.write(tmp.name + "\n")
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
         return tmp
 
     def path(self, name: str) -> Path:
@@ -288,10 +314,18 @@ class StagedWrite:
         return self._staged[name]
 
     def text(self, name: str, text: str) -> None:
-        self.path(name).write_text(text, encoding="utf-8")
+        self.data(name, text.encode("utf-8"))
+
+    def data(self, name: str, data: bytes) -> Path:
+        """Stage `data` as the file `name`; returns its temporary."""
+        tmp = self.path(name)
+        with _staged_file(tmp) as f:
+            f.write(data)
+        return tmp
 
     def copy(self, name: str, source: str | os.PathLike) -> None:
-        shutil.copyfile(source, self.path(name))
+        with open(source, "rb") as src, _staged_file(self.path(name)) as f:
+            shutil.copyfileobj(src, f)
 
     def remove(self, name: str) -> None:
         """Delete `name` from the directory as part of the commit (a file of the previous
@@ -321,8 +355,8 @@ class StagedWrite:
         journal = self._journal()
         journal_tmp = self._temporary(JOURNAL)
         try:
-            with open(journal_tmp, "w", encoding="utf-8") as f:
-                f.write(journal.to_json())
+            with _staged_file(journal_tmp) as f:
+                f.write(journal.to_json().encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:  # a full disk before the commit point: the journal's temporary goes too
