@@ -22,7 +22,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .serving_load import RunResult, make_requests, measure, text_pool, warm_up
-from .serving_procs import ServerSpec, infinity_ready, infinity_spec, port_spec, running, setup_infinity, st_spec
+from .serving_procs import (
+    ServerSpec,
+    cpu_seconds,
+    infinity_ready,
+    infinity_spec,
+    port_spec,
+    running,
+    setup_infinity,
+    st_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +90,14 @@ def n_requests(args: argparse.Namespace, concurrency: int) -> int:
 def run_server(spec: ServerSpec, args, workloads: dict[int, list], pools, loads: list[float]) -> dict[int, RunResult]:
     """Start `spec`, warm it up (checking its answers), measure every concurrency, stop it."""
     out = {}
-    with running(spec, args.threads, args.start_deadline) as base:
+    with running(spec, args.threads, args.start_deadline) as (base, pid):
         url = base + spec.route
         asyncio.run(warm_up(url, make_requests(WARMUP_REQUESTS, args.seed - 1, pools), args.timeout))
         for c, requests in workloads.items():
             loads.append(os.getloadavg()[0])
+            cpu = cpu_seconds(pid)
             out[c] = measure(url, requests, c, args.max_seconds, args.timeout)
+            out[c].server_cpu_s = cpu_seconds(pid) - cpu
             log.info("%s c=%d: %.1f texts/s, p99 %.0f ms", spec.name, c, out[c].texts_per_s, out[c].latency_ms(99))
     return out
 
@@ -127,6 +138,7 @@ def summary_rows(results: Results) -> list[list]:
                     f"{_median([r.texts_per_s for r in done]):.1f}",
                     f"{_median([r.latency_ms(50) for r in done]):.0f}",
                     f"{_median([r.latency_ms(99) for r in done]):.0f}",
+                    f"{_median([r.cpu_share for r in done]):.2f}",
                     f"{sum(len(r.latencies) for r in done)}",
                     f"{failed}",
                     f"{len(done)}/{len(runs)}",
@@ -196,11 +208,12 @@ def report(results: Results, args, concurrencies: list[int], notes: list[str], l
     rep.line(
         f"Thread budget {args.threads} per server; {args.reps} repetitions, medians; clients: "
         + ", ".join(f"{c} ({n_requests(args, c)} requests)" for c in concurrencies)
-        + "; 1-32 texts per request (MR sentences, 30% short messages)."
+        + "; 1-32 texts per request (MR sentences, 30% short messages). Server CPU: cores' worth the"
+        + " server process used while measured (the budget on a quiet machine, less where others took the cores)."
     )
     rep.line(f"Load average (1 min) at the runs' starts: median {_median(loads):.2f}, max {max(loads, default=0):.2f}")
     rep.line()
-    header = ["server", "concurrency", "texts/s", "p50 ms", "p99 ms", "requests", "failed", "reps"]
+    header = ["server", "concurrency", "texts/s", "p50 ms", "p99 ms", "server CPU", "requests", "failed", "reps"]
     rep.table(header, summary_rows(results))
     rep.section("Serving: port / peer (texts/s above 1 and latency below 1 favour the port)")
     rep.table(["port", "peer", "concurrency", "texts/s", "p50", "p99"], ratio_rows(results))

@@ -52,6 +52,13 @@ class RunResult:
     latencies: list[float] = field(default_factory=list)
     texts: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    server_cpu_s: float = 0.0  # CPU seconds the server process used during the run
+
+    @property
+    def cpu_share(self) -> float:
+        """Cores' worth of CPU the server got during the run (at most the thread budget when the
+        machine is quiet; less when other processes take the cores)."""
+        return self.server_cpu_s / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def texts_per_s(self) -> float:

@@ -139,6 +139,16 @@ def wait_ready(process: subprocess.Popen, url: str, deadline_s: float, log_path:
     raise RuntimeError(f"{url} did not answer 200 within {deadline_s:.0f} s:\n{_tail(log_path)}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds the process `pid` (all its threads) has used so far; 0 where
+    there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in ticks
+
+
 def stop(process: subprocess.Popen, deadline_s: float = 20.0) -> None:
     """SIGTERM to the server's process group (it is a session of its own, started here), then
     SIGKILL if it has not exited within `deadline_s`."""
@@ -156,8 +166,8 @@ def stop(process: subprocess.Popen, deadline_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, threads: int, deadline_s: float = 300.0) -> Iterator[str]:
-    """Start `spec` on a free port, wait for its health route, yield its base URL, stop it
+def running(spec: ServerSpec, threads: int, deadline_s: float = 300.0) -> Iterator[tuple[str, int]]:
+    """Start `spec` on a free port, wait for its health route, yield its base URL and pid, stop it
     on the way out (on error too). Its output goes to a log in a temporary folder, whose end
     is shown if it fails to start; it also holds infinity's cache folder and the cwd."""
     port = free_port()
@@ -173,6 +183,6 @@ def running(spec: ServerSpec, threads: int, deadline_s: float = 300.0) -> Iterat
                 base = f"http://127.0.0.1:{port}"
                 took = wait_ready(process, base + spec.health, deadline_s, log_path)
                 log.info("%s ready on port %d after %.1f s", spec.name, port, took)
-                yield base
+                yield base, process.pid
             finally:
                 stop(process)
