@@ -12,15 +12,20 @@ from bert_port.bench.serving_load import MAX_TEXTS, make_requests
 ST = "sentence-transformers (FastAPI)"
 
 
-def _table(markdown: str, first_header: str) -> list[list[str]]:
-    """The rows of the markdown table whose header starts with `first_header`."""
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _table(markdown: str, first_header: str) -> list[dict[str, str]]:
+    """The rows, by column name, of the markdown table whose header starts with `first_header`."""
     lines = markdown.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    header = _cells(lines[start])
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        rows.append(dict(zip(header, _cells(line))))
     return rows
 
 
@@ -43,9 +48,8 @@ def test_bench_against_the_sentence_transformers_app(tmp_path):
     text = out.read_text(encoding="utf-8")
     assert "CPU: " in text
     rows = _table(text, "server")
-    assert [(r[0], r[1]) for r in rows] == [(ST, "1"), (ST, "3")]
+    assert [(r["server"], r["concurrency"]) for r in rows] == [(ST, "1"), (ST, "3")]
     for row in rows:
-        texts_per_s, p50, p99, requests, failed = float(row[2]), float(row[3]), float(row[4]), int(row[6]), int(row[7])
-        assert texts_per_s > 0 and p50 > 0
-        assert p99 >= p50
-        assert (requests, failed, row[8]) == (4, 0, "1/1")
+        assert float(row["texts/s"]) > 0 and float(row["p50 ms"]) > 0
+        assert float(row["p99 ms"]) >= float(row["p50 ms"])
+        assert (row["requests"], row["failed"], row["reps"]) == ("4", "0", "1/1")

@@ -139,6 +139,7 @@ def summary_rows(results: Results) -> list[list]:
                     f"{_median([r.latency_ms(50) for r in done]):.0f}",
                     f"{_median([r.latency_ms(99) for r in done]):.0f}",
                     f"{_median([r.cpu_share for r in done]):.2f}",
+                    f"{_median([r.texts / r.server_cpu_s for r in done if r.server_cpu_s > 0]):.0f}",
                     f"{sum(len(r.latencies) for r in done)}",
                     f"{failed}",
                     f"{len(done)}/{len(runs)}",
@@ -209,11 +210,23 @@ def report(results: Results, args, concurrencies: list[int], notes: list[str], l
         f"Thread budget {args.threads} per server; {args.reps} repetitions, medians; clients: "
         + ", ".join(f"{c} ({n_requests(args, c)} requests)" for c in concurrencies)
         + "; 1-32 texts per request (MR sentences, 30% short messages). Server CPU: cores' worth the"
-        + " server process used while measured (the budget on a quiet machine, less where others took the cores)."
+        + " server process used while measured (the budget on a quiet machine, less where others took the cores);"
+        + " texts/CPU-s: texts per CPU second of the server process."
     )
     rep.line(f"Load average (1 min) at the runs' starts: median {_median(loads):.2f}, max {max(loads, default=0):.2f}")
     rep.line()
-    header = ["server", "concurrency", "texts/s", "p50 ms", "p99 ms", "server CPU", "requests", "failed", "reps"]
+    header = [
+        "server",
+        "concurrency",
+        "texts/s",
+        "p50 ms",
+        "p99 ms",
+        "server CPU",
+        "texts/CPU-s",
+        "requests",
+        "failed",
+        "reps",
+    ]
     rep.table(header, summary_rows(results))
     rep.section("Serving: port / peer (texts/s above 1 and latency below 1 favour the port)")
     rep.table(["port", "peer", "concurrency", "texts/s", "p50", "p99"], ratio_rows(results))
