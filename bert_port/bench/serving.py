@@ -18,11 +18,14 @@ import contextlib
 import logging
 import os
 import statistics
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from .serving_load import RunResult, make_requests, measure, text_pool, warm_up
 from .serving_procs import (
+    INFINITY_VERSION,
     ServerSpec,
     cpu_seconds,
     infinity_ready,
@@ -197,7 +200,29 @@ def cpu_line(info: dict) -> str:
     return f"CPU: {info['cpu']}{family} ({info['logical_cpus']} logical CPUs; {', '.join(info['cpu_flags'])})"
 
 
-def report(results: Results, args, concurrencies: list[int], notes: list[str], loads: list[float]):
+def provenance(argv: list[str] | None) -> str:
+    """The command that made the report, the checkout's commit and the versions served."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    commit = "unknown"
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    versions = []
+    for name in ("torch", "sentence-transformers"):
+        with contextlib.suppress(PackageNotFoundError):
+            versions.append(f"{name} {version(name)}")
+    argv = sys.argv[1:] if argv is None else argv
+    return (
+        f"Made by `python -m bert_port.bench.serving {' '.join(argv)}` at commit {commit}; "
+        + ", ".join(versions)
+        + f"; infinity-emb {INFINITY_VERSION} in its own venv."
+    )
+
+
+def report(results: Results, args, concurrencies: list[int], notes: list[str], loads: list[float], argv=None):
     import torch
 
     from .harness import Report, machine_info
@@ -206,6 +231,7 @@ def report(results: Results, args, concurrencies: list[int], notes: list[str], l
     info = machine_info(torch.device("cpu"))
     rep.section("Serving: texts/s and latency per server")
     rep.line(cpu_line(info))
+    rep.line(provenance(argv))
     rep.line(
         f"Thread budget {args.threads} per server; {args.reps} repetitions, medians; clients: "
         + ", ".join(f"{c} ({n_requests(args, c)} requests)" for c in concurrencies)
@@ -252,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [os.getloadavg()[0]]
     results = run_all(specs, args, concurrencies, notes, loads)
     loads.append(os.getloadavg()[0])
-    rep = report(results, args, concurrencies, notes, loads)
+    rep = report(results, args, concurrencies, notes, loads, argv)
     if args.markdown:
         rep.write(args.markdown)
     return 0
