@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--payload-limit", type=positive_int, default=2_000_000, help="bytes of a request body (default 2 MB)"
     )
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request body to arrive (default 30)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds to answer a request (default 120)")
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at SIGTERM (default 30)"
@@ -54,6 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="weights' dtype (default float32)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
+
+
+def _server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, stopping on SIGTERM and SIGINT by draining and exiting 0: uvicorn raises
+        the signal again after its graceful shutdown, which ends the process with -15."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
 
 
 def _model_name(model: str) -> str:
@@ -88,13 +111,20 @@ def main(argv: list[str] | None = None) -> int:
         auto_truncate=args.auto_truncate,
         payload_limit=args.payload_limit,
         request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
     )
     dtype = "bfloat16" if args.dtype == "bf16" else None
 
     def load():
         return load_task(args.model, args.task, threads=args.threads, quantization=args.quantization, dtype=dtype)
 
-    app = serve_app.create_app(settings, load)
+    failed: list[str] = []
+
+    def stop(message: str) -> None:  # a model that cannot load ends the process: one line, exit 2
+        failed.append(message)
+        server.should_exit = True
+
+    app = serve_app.create_app(settings, load, on_failure=stop)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -105,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=5,
         access_log=args.log_level == "debug",  # a line per request costs throughput under load
     )
-    uvicorn.Server(config).run()
+    server = _server_class()(config)
+    server.run()
+    if failed:
+        print(f"bert-port-serve: {failed[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

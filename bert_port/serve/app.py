@@ -62,9 +62,10 @@ def error_response(status: int, error_type: str, message: str) -> JSONResponse:
 class ServerState:
     """The loaded task (None while loading), its batcher, the metrics and the admission count."""
 
-    def __init__(self, settings: ServeSettings, load: Callable[[], Any]):
+    def __init__(self, settings: ServeSettings, load: Callable[[], Any], on_failure: Callable[[str], None] | None):
         self.settings = settings
         self.load = load
+        self.on_failure = on_failure
         self.metrics = Metrics()
         self.task: Any = None
         self.batcher: Batcher | None = None
@@ -86,8 +87,10 @@ class ServerState:
             self.task, self.batcher = task, batcher
             log.info("model loaded and warm: serving %s", self.settings.model_name)
         except Exception as exc:  # /health says why; the process log has the traceback
-            log.exception("the model failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_error = f"the model failed to load: {exc}"
+            log.debug("the model failed to load", exc_info=True)
+            if self.on_failure is not None:
+                self.on_failure(self.load_error)
 
     async def compute(self, request: Request, items: list[Item]) -> list[Any]:
         """`items` through the batcher: refused when not ready (503) or full (429); dropped when
@@ -214,12 +217,14 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-def create_app(settings: ServeSettings, load: Callable[[], Any]) -> FastAPI:
+def create_app(
+    settings: ServeSettings, load: Callable[[], Any], on_failure: Callable[[str], None] | None = None
+) -> FastAPI:
     """The app serving the task `load()` returns, loaded in a thread at start-up so that
-    `/health` answers (503) while the model loads."""
+    `/health` answers (503) while the model loads; `on_failure(message)` is called if it fails."""
     from . import routes
 
-    state = ServerState(settings, load)
+    state = ServerState(settings, load, on_failure)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
