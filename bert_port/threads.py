@@ -4,14 +4,17 @@ torch waits at the end of each parallel region for its slowest thread: when anot
 holds one of the cores, every region waits for the thread on it. `ThreadGovernor` reads how much
 CPU time the other processes took on this process's CPUs (/proc/stat less this process's own,
 `os.times`) and sets the thread count, between batches, to the cores they left; `governed` steps
-it before each forward of a model. Why it is the default, and when to fix a count instead:
-docs/architecture.md ("Thread governor"); tests/test_threads.py checks that the count does not
-change the bits on the CPU it runs on.
+it before each forward of a model. No count goes above the CPUs the process may use
+(`usable_cpus`: its affinity, and its cgroup's CPU quota, which `os.cpu_count` and the
+affinity do not show): a fixed count above them is capped with a warning. Why it is the
+default, and when to fix a count instead: docs/architecture.md ("Thread governor");
+tests/test_threads.py checks that the count does not change the bits on the CPU it runs on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -23,6 +26,98 @@ import torch
 
 TAKEN = 0.25  # share of a core other processes must have used for it to count as taken
 INTERVAL_S = 0.5  # how often the load is read again
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MEMBERSHIP = Path("/proc/self/cgroup")
+
+log = logging.getLogger(__name__)
+
+
+def _own_cgroups(membership: Path) -> dict[str, str]:
+    """This process's cgroup per hierarchy, from /proc/self/cgroup: "" for cgroup v2's unified
+    one (`0::/path`), "cpu" for v1's CPU controller (`4:cpu,cpuacct:/path`)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return {}
+    own = {}
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            own[""] = path
+        elif "cpu" in controllers.split(","):
+            own["cpu"] = path
+    return own
+
+
+def _up_from(mount: Path, path: str) -> list[Path]:
+    """`mount/path` and each folder above it up to `mount`: a quota on any of them binds. Inside
+    a container the path can be the host's, absent here: the folders that exist are read."""
+    leaf = mount / path.lstrip("/")
+    return [p for p in (leaf, *leaf.parents) if p.is_relative_to(mount) and p.is_dir()]
+
+
+def _quota(folder: Path) -> float | None:
+    """The CPU quota of one cgroup folder in CPUs, None where it sets none: v2's `cpu.max`
+    ("QUOTA PERIOD", or "max PERIOD"), else v1's `cpu.cfs_quota_us` over `cpu.cfs_period_us`
+    (quota -1: none)."""
+    try:
+        if (folder / "cpu.max").is_file():
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        elif (folder / "cpu.cfs_quota_us").is_file():
+            quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+            period = (folder / "cpu.cfs_period_us").read_text().strip()
+        else:
+            return None
+        return None if quota == "max" or int(quota) <= 0 else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):  # unreadable or not a quota: no limit known
+        return None
+
+
+def cgroup_cpu_limit(root: str | os.PathLike = CGROUP_ROOT, membership: str | os.PathLike = MEMBERSHIP) -> float | None:
+    """The CPUs the cgroup quota lets this process use (0.5 under `cpu.max` "50000 100000"), the
+    smallest quota of its cgroup and those above it, on cgroup v2 (`root`/...) or v1's CPU
+    controller (`root`/cpu/...); None without a quota. `membership` is /proc/self/cgroup."""
+    root = Path(root)
+    own = _own_cgroups(Path(membership))
+    folders = _up_from(root, own[""]) if "" in own else []
+    if "cpu" in own:
+        for mount in (root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"):
+            if mount.is_dir():
+                folders += _up_from(mount, own["cpu"])
+                break
+    quotas = [q for q in map(_quota, folders) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def usable_cpus(root: str | os.PathLike = CGROUP_ROOT, membership: str | os.PathLike = MEMBERSHIP) -> int:
+    """How many CPUs this process may keep busy: those its affinity allows (`taskset`), at most
+    its cgroup quota rounded up, at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit(root, membership)
+    return max(1, min(cpus, math.ceil(limit)) if limit is not None else cpus)
+
+
+def capped(threads: int, flag: str = "--threads") -> int:
+    """`threads`, or the CPUs this process may use when it asks for more (`usable_cpus`), said in a
+    warning: threads beyond them only wait for each other, and tens of thousands exhaust the
+    process's threads (the tokenizer's thread pool then fails to start)."""
+    usable = usable_cpus()
+    if threads <= usable:
+        return threads
+    log.warning(
+        "%s %d is more than the %d CPU(s) this process may use (its CPU affinity and cgroup quota); using %d",
+        flag, threads, usable, usable,
+    )  # fmt: skip
+    return usable
+
+
+def cap_tokenizer_pool() -> None:
+    """Hold the tokenizer's thread pool (Rust's rayon, sized once, by `RAYON_NUM_THREADS` when set)
+    to the CPUs this process may use. Call before the first tokenization; without the variable
+    rayon sizes the pool to the CPUs itself."""
+    given = os.environ.get("RAYON_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        os.environ["RAYON_NUM_THREADS"] = str(capped(int(given), "RAYON_NUM_THREADS"))
 
 
 def _cpu_seconds(cpus: set[int]) -> float | None:
@@ -72,7 +167,7 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int | None = None, interval: float = INTERVAL_S, exclude=()) -> None:
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        self.max_threads = max_threads or len(self.cpus)
+        self.max_threads = max_threads or usable_cpus()
         self.interval = interval
         self.saved = torch.get_num_threads()
         self._last: tuple[float, float, float] | None = None
@@ -123,7 +218,7 @@ def governed(model: torch.nn.Module, threads: int | str | None) -> Iterator[None
         if threads == "auto":  # (a pre-hook that returned the count would replace the forward's arguments)
             handle = model.register_forward_pre_hook(lambda *_: governor.step() and None)
         else:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(capped(threads))
             handle = None
         try:
             yield

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     from bert_port.checkpoint import CheckpointError
     from bert_port.embed import Columns, EmbedError, Options, execute, prepare
     from bert_port.embed.run import world
+    from bert_port.threads import cap_tokenizer_pool
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cap_tokenizer_pool()  # before the first text is tokenized: the pool is sized once
     columns = Columns(args.id_column, args.text_column, args.pair_column)
     opts = Options(
         batch_tokens=args.batch_tokens,

@@ -32,7 +32,7 @@ from .. import checkpoint as ckpt
 from .. import embedding_store as store
 from ..sentence import SentenceEncoder
 from ..speed import kernels
-from ..threads import ThreadGovernor
+from ..threads import ThreadGovernor, capped
 from ..tokenization import pad_token_id
 from .corpus import Columns, EmbedError, Record, Scan, describe
 
@@ -183,7 +183,7 @@ class ShardEmbedder:
         self.prompt, self.opts, self.bar = prompt, opts, bar
         self.governor = ThreadGovernor() if opts.threads == "auto" else None
         if isinstance(opts.threads, int):
-            torch.set_num_threads(opts.threads)
+            torch.set_num_threads(capped(opts.threads))
 
     def _inputs(self, window: list[Record]) -> list:
         texts = [self.prompt + r.text for r in window]
