@@ -128,14 +128,34 @@ def read_embeddings(directory: str | os.PathLike, mmap: bool = False, verify: bo
     is an `EmbedError` naming it."""
     import numpy as np
 
+    ids: list = []
+    arrays = []
+    index = finished_index(directory)
+    for shard_ids, array in verified_shards(directory, mmap=mmap, verify=verify, index=index):
+        ids.extend(shard_ids)
+        arrays.append(array)
+    if mmap:
+        return ids, arrays
+    return ids, (np.concatenate(arrays) if arrays else np.empty((0, index["dim"]), dtype=index["dtype"]))
+
+
+def finished_index(directory: str | os.PathLike) -> dict:
+    """The index of a finished run; an `EmbedError` saying what to do for any other folder."""
     directory = Path(directory)
     index = read_index(directory)
     if index is None:
         raise EmbedError(f"{directory} has no {INDEX}; pass the output folder of bert-port-embed")
     if not index.get("complete"):
         raise EmbedError(f"{directory}: the run has not finished; run the same command again to complete it")
-    ids: list = []
-    arrays = []
+    return index
+
+
+def verified_shards(directory: str | os.PathLike, mmap: bool = True, verify: bool = True, index: dict | None = None):
+    """(ids, (n, D) array) of each shard of a finished run, in order, each checked as it comes
+    (see `read_embeddings`: row counts, dimensions, and with `verify` the checksums): a damaged
+    shard is an `EmbedError` naming it, before any of its rows is given out."""
+    directory = Path(directory)
+    index = finished_index(directory) if index is None else index
     for k, shard in enumerate(index["shards"]):
         data = read_shard_ids(directory, k)
         problem = shard_problem(directory, k, data, shard["rows"], checksum=verify)
@@ -145,11 +165,7 @@ def read_embeddings(directory: str | os.PathLike, mmap: bool = False, verify: bo
             problem, array = _shard_array(directory / shard["embeddings"], shard["rows"], index["dim"], mmap)
         if problem is not None:
             raise EmbedError(f"{directory}: shard {k} is damaged ({problem}); run the same command again to redo it")
-        ids.extend(data["ids"])
-        arrays.append(array)
-    if mmap:
-        return ids, arrays
-    return ids, (np.concatenate(arrays) if arrays else np.empty((0, index["dim"]), dtype=index["dtype"]))
+        yield data["ids"], array
 
 
 _NUMPY_DTYPES = {"F32": "float32", "F16": "float16"}

@@ -30,7 +30,7 @@ from . import checkpoint as ckpt
 from . import saving
 from .bert import BertModel
 from .loader_arguments import LoaderArgumentError
-from .sentence_api import SentenceTransformerAPI, check_precision, finish_output
+from .sentence_api import SentenceTransformerAPI, check_output_value, check_precision, finish_output, first_argument
 from .sentence_folder import (
     LEGACY_POOLING_KEYS,
     NORMALIZE,
@@ -39,6 +39,7 @@ from .sentence_folder import (
     POOLING_MODES,
     TRANSFORMER,
     pool,
+    pooling_modes,
     read_json,
     read_pipeline,
 )
@@ -76,10 +77,7 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
             raise TypeError(f"SentenceEncoder wraps a BertModel, got {type(model).__name__}")
         self.model = model
         self.tokenizer = tokenizer
-        self.pooling = (pooling,) if isinstance(pooling, str) else tuple(pooling)
-        bad = [m for m in self.pooling if m not in POOLING_MODES]
-        if bad or not self.pooling:
-            raise ValueError(f"pooling {pooling!r} is not supported; use one or more of {', '.join(POOLING_MODES)}")
+        self.pooling = pooling_modes(pooling, "pooling", "pass one of them, or a list")
         self.normalize = normalize
         limit = model.config.max_position_embeddings
         if max_seq_length is None:
@@ -168,48 +166,67 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
     @torch.inference_mode()
     def encode(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
+        output_value: str = "sentence_embedding",
         precision: str = "float32",
         convert_to_numpy: bool = True,
         convert_to_tensor: bool = False,
         device: str | torch.device | None = None,
         normalize_embeddings: bool = False,
         truncate_dim: int | None = None,
+        *,
+        sentences: str | Sequence[str] | None = None,
+        inputs: str | Sequence[str] | None = None,
     ) -> np.ndarray | Tensor | list[Tensor]:
         """Embeddings of `texts`, as `SentenceTransformer.encode` with the same arguments returns
         them: a (N, D) float32 numpy array by default (bf16 upcast); with `convert_to_tensor` one
         (N, D) tensor; with neither, a list of N (D,) tensors. One bare string gives one (D,)
-        embedding. `show_progress_bar` (None: shown when this module logs at INFO or DEBUG,
+        embedding. The texts may be given as `sentences=` or `inputs=` too, sentence-transformers'
+        names. `show_progress_bar` (None: shown when this module logs at INFO or DEBUG,
         sentence-transformers' rule) draws a bar over the batches.
 
         `prompt` (or `prompts[prompt_name]`, or the default prompt) is put before each text.
         The checkpoint's Normalize module runs, then `truncate_dim` (or `self.truncate_dim`)
         keeps the first dimensions, then `normalize_embeddings` scales to unit length. `precision`
         int8/uint8/binary/ubinary quantises as `quantize_embeddings` (the int8 ranges from these
-        embeddings). `device` moves the encoder there first. Texts longer than `max_seq_length`
+        embeddings, so one text alone is refused). `output_value="token_embeddings"` gives instead
+        each text's (n_i, H) token vectors, its real tokens only, unnormalised, as a list of tensors.
+        `device` moves the encoder there first. Texts longer than `max_seq_length`
         tokens are truncated to it; the first time, a warning says how many were. Batches are
         formed from texts of similar length (fewer pads), and the result is in the order of `texts`."""
+        texts = first_argument(texts, sentences, inputs)
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         check_precision(precision)
+        check_output_value(output_value, precision)
         texts = self._with_prompt(texts, self.resolve_prompt(prompt, prompt_name))
         if device is not None:
             self.to(device)
         if show_progress_bar is None:
             show_progress_bar = log.getEffectiveLevel() <= logging.INFO
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        tokens = output_value == "token_embeddings"
         was_training = self.training
         self.eval()
         try:
-            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-            embeddings = self._embed_in_order(texts, order, batch_size, show_progress_bar)
+            outputs = self._embed_in_order(texts, order, batch_size, show_progress_bar, tokens)
         finally:
             self.train(was_training)
+        if tokens:
+            rows = [outputs[position] for position in np.argsort(order)]
+            return rows[0] if single else rows
+        embeddings = self._scaled(outputs, truncate_dim, normalize_embeddings)
+        embeddings = embeddings[torch.argsort(torch.tensor(order, device=embeddings.device))]
+        return finish_output(embeddings, precision, convert_to_numpy, convert_to_tensor, single)
+
+    def _scaled(self, embeddings: Tensor, truncate_dim: int | None, normalize_embeddings: bool) -> Tensor:
+        """(N, D) pooled embeddings through the Normalize module, `truncate_dim` and `normalize_embeddings`."""
         if self.normalize:
             embeddings = F.normalize(embeddings, p=2, dim=1)
         truncate_dim = self.truncate_dim if truncate_dim is None else truncate_dim
@@ -217,8 +234,7 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
             embeddings = embeddings[:, :truncate_dim]
         if normalize_embeddings:
             embeddings = F.normalize(embeddings, p=2, dim=1)
-        embeddings = embeddings[torch.argsort(torch.tensor(order, device=embeddings.device))]
-        return finish_output(embeddings, precision, convert_to_numpy, convert_to_tensor, single)
+        return embeddings
 
     def _with_prompt(self, texts: list[str], prompt: str | None) -> list[str]:
         """`texts` with `prompt` before each; a loud error where the pooling must leave the prompt out."""
@@ -235,9 +251,12 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
         """The width of the pooled vector: one hidden size per pooling mode."""
         return len(self.pooling) * self.model.config.hidden_size
 
-    def _embed_in_order(self, texts: list[str], order: list[int], batch_size: int, show_progress_bar: bool) -> Tensor:
-        """The pooled (N, D) embeddings of `texts` taken in `order`, `batch_size` at a time;
-        warns, once per encoder, when texts were cut to `max_seq_length` tokens."""
+    def _embed_in_order(
+        self, texts: list[str], order: list[int], batch_size: int, show_progress_bar: bool, tokens: bool = False
+    ) -> Tensor | list[Tensor]:
+        """The pooled (N, D) embeddings of `texts` taken in `order`, `batch_size` at a time (with
+        `tokens`, each text's (n_i, H) real-token vectors instead, a list); warns, once per
+        encoder, when texts were cut to `max_seq_length` tokens."""
         chunks, truncated = [], 0
         starts = tqdm(
             range(0, len(texts), batch_size), desc="Batches", disable=not show_progress_bar, dynamic_ncols=True
@@ -249,7 +268,10 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
                 inputs = encode(self.tokenizer, batch, max_length=self.max_seq_length).to(self.model.device)
                 truncated += sum(bool(e.overflowing) for e in inputs.encodings)
                 hidden = self.model(**inputs).last_hidden_state
-                chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
+                if tokens:
+                    chunks.extend(h[m] for h, m in zip(hidden, inputs["attention_mask"].bool()))
+                else:
+                    chunks.append(pool(hidden, inputs["attention_mask"], self.pooling))
         if truncated and not self._warned_truncation:
             self._warned_truncation = True
             log.warning(
@@ -260,8 +282,8 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
                 self.max_seq_length,
                 self.max_seq_length,
             )
-        if chunks:
-            return torch.cat(chunks)
+        if tokens or chunks:
+            return chunks if tokens else torch.cat(chunks)
         return torch.empty(0, self.embedding_dimension(), device=self.model.device)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
@@ -282,7 +304,7 @@ class SentenceEncoder(SentenceTransformerAPI, nn.Module):
         """`config_sentence_transformers.json` with this encoder's prompts and similarity function
         over the carried one's other fields; None when both are the defaults and nothing carried sets them."""
         source = carried or Path(self.model.source_dir or ".") / ckpt.ST_MODEL_CONFIG
-        config = read_json(source) if source.is_file() else {}
+        config = read_json(source) if os.path.lexists(source) else {}
         settings = {"prompts": self.prompts, "default_prompt_name": self.default_prompt_name}
         settings["similarity_fn_name"] = self.similarity_fn_name
         if not (self.prompts or self.default_prompt_name or self.similarity_fn_name != "cosine") and not (

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import torch
 from torch import Tensor
 
 from . import checkpoint as ckpt
+from .storage import bounded
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +70,15 @@ def pool(token_embeddings: Tensor, attention_mask: Tensor, modes: Sequence[str])
     return torch.cat(out, dim=-1)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict | list:
+    """A JSON file of a sentence-transformers folder, read with the bound of checkpoint files
+    (`storage.bounded`): a FIFO, a device or a file over 16 MiB is refused in one line naming it,
+    never waited on or read until memory runs out. Links are followed, as for the weights."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = json.loads(bounded.read_text(path, bounded.JSON, folder=False))
+    except bounded.RefusedFile as exc:
+        raise refused(exc) from None
+    except (OSError, ValueError, RecursionError) as exc:
         raise ckpt.CheckpointError(
             f"{path} is not readable JSON ({exc}); restore it from the original checkpoint"
         ) from None
@@ -80,21 +87,58 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def refused(exc: bounded.RefusedFile) -> ckpt.CheckpointError:
+    """A refused file of a checkpoint folder, in one line saying where to get it again."""
+    return ckpt.CheckpointError(f"refused to read {exc.path}: {exc.why}; restore it from the original checkpoint")
+
+
+def pooling_modes(pooling: object, source: str, fix: str) -> tuple[str, ...]:
+    """`pooling` (a mode's name or a list of them) as a tuple of the modes this port computes;
+    anything else is a `ValueError` in one line naming `source`, ending in `fix` for a value of
+    the wrong type."""
+    modes = (pooling,) if isinstance(pooling, str) else tuple(pooling) if isinstance(pooling, (list, tuple)) else ()
+    if not modes or not all(isinstance(m, str) for m in modes):
+        raise ValueError(
+            f"{source} must be a pooling mode's name or a list of them ({', '.join(POOLING_MODES)}), "
+            f"got {pooling!r}; {fix}"
+        )
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad:
+        raise ValueError(
+            f"{source} {', '.join(map(repr, bad))} is not supported by SentenceEncoder (it computes "
+            f"{', '.join(POOLING_MODES)}); use sentence-transformers for this model"
+        )
+    return modes
+
+
 def _pooling_modes(config: dict, source: Path) -> tuple[str, ...]:
     """The modes of a `1_Pooling/config.json`: sentence-transformers 6's `pooling_mode` (a
     name or a list) or the older `pooling_mode_*` booleans (none set means mean, as there)."""
     if "pooling_mode" in config:
-        modes = config["pooling_mode"]
-        modes = (modes,) if isinstance(modes, str) else tuple(modes)
+        modes, name = config["pooling_mode"], f"{source}: pooling_mode"
     else:
-        modes = tuple(mode for key, mode in LEGACY_POOLING_KEYS.items() if config.get(key)) or ("mean",)
-    bad = [m for m in modes if m not in POOLING_MODES]
-    if bad:
-        raise ckpt.CheckpointError(
-            f"{source}: pooling mode {', '.join(bad)} is not supported by SentenceEncoder (it computes "
-            f"{', '.join(POOLING_MODES)}); use sentence-transformers for this model"
+        modes, name = (
+            [mode for key, mode in LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"],
+            f"{source}: pooling mode",
         )
-    return modes
+    try:
+        return pooling_modes(modes, name, "restore it from the original checkpoint")
+    except ValueError as exc:
+        raise ckpt.CheckpointError(str(exc)) from None
+
+
+def module_path(directory: Path, module: dict, default: str = "") -> str:
+    """A module's folder as `modules.json` gives it, checked as sentence-transformers checks it:
+    a relative path without `..`, so that nothing is read from outside the checkpoint folder."""
+    path = module.get("path", default)
+    parts = PureWindowsPath(path).parts if isinstance(path, str) else ()
+    if not isinstance(path, str) or PureWindowsPath(path).anchor or ".." in parts or "\0" in path:
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} gives the {_module_type(module.get('type'))} module the path {path!r}, "
+            "which is not a folder inside the checkpoint (sentence-transformers refuses it too); restore modules.json "
+            "from the original checkpoint"
+        )
+    return path
 
 
 def read_pipeline(directory: Path) -> dict:
@@ -113,23 +157,8 @@ def read_pipeline(directory: Path) -> dict:
         "include_prompt": True,
         **_model_settings(directory),
     }
-    if (directory / ckpt.ST_MODULES).is_file():
-        modules = ckpt.read_st_modules(directory)
-        types = [_module_type(m.get("type")) for m in modules]
-        unknown = [t for t in types if t not in (TRANSFORMER, POOLING, NORMALIZE)]
-        if unknown or types[0] != TRANSFORMER:
-            raise ckpt.CheckpointError(
-                f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed "
-                "by Pooling and optionally Normalize. Use sentence-transformers for this model"
-            )
-        settings["transformer"] = _transformer_folder(directory, modules[0].get("path", ""))
-        for module in modules:
-            if _module_type(module["type"]) == POOLING:
-                path = directory / module.get("path", POOLING_FOLDER) / "config.json"
-                pooling = read_json(path)
-                settings["pooling"] = _pooling_modes(pooling, path)
-                settings["include_prompt"] = bool(pooling.get("include_prompt", True))
-        settings["normalize"] = NORMALIZE in types
+    if os.path.lexists(directory / ckpt.ST_MODULES):  # present, whatever it is: a FIFO is refused, not absent
+        _read_modules(directory, settings)
     else:
         log.info(
             "%s has no %s: mean pooling, no normalisation (sentence-transformers' defaults)",
@@ -137,18 +166,49 @@ def read_pipeline(directory: Path) -> dict:
             ckpt.ST_MODULES,
         )
     st_config = directory / settings["transformer"] / ckpt.ST_CONFIG
-    if st_config.is_file():
+    if os.path.lexists(st_config):
         config = read_json(st_config)
         settings["max_seq_length"] = config.get("max_seq_length")
         settings["do_lower_case"] = bool(config.get("do_lower_case", False))
     return settings
 
 
+def _read_modules(directory: Path, settings: dict) -> None:
+    """`settings` updated from the folder's `modules.json` and the Pooling module's config."""
+    modules = read_json(directory / ckpt.ST_MODULES)
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} must be a JSON list of modules; restore it from the original checkpoint"
+        )
+    types = [_module_type(m.get("type")) for m in modules]
+    unknown = [t for t in types if t not in (TRANSFORMER, POOLING, NORMALIZE)]
+    if unknown or types[0] != TRANSFORMER:
+        raise ckpt.CheckpointError(
+            f"{directory / ckpt.ST_MODULES} lists modules {types}; SentenceEncoder runs a Transformer followed "
+            "by Pooling and optionally Normalize. Use sentence-transformers for this model"
+        )
+    paths = [module_path(directory, m, POOLING_FOLDER if t == POOLING else "") for m, t in zip(modules, types)]
+    settings["transformer"] = _transformer_folder(directory, paths[0])
+    for path, kind in zip(paths, types):
+        if kind == POOLING:
+            config_path = directory / path / "config.json"
+            pooling = read_json(config_path)
+            if not isinstance(pooling, dict):
+                raise ckpt.CheckpointError(
+                    f"{config_path} must hold a JSON object; restore it from the original checkpoint"
+                )
+            settings["pooling"] = _pooling_modes(pooling, config_path)
+            settings["include_prompt"] = bool(pooling.get("include_prompt", True))
+    settings["normalize"] = NORMALIZE in types
+
+
 def _model_settings(directory: Path) -> dict:
     """`prompts`, `default_prompt_name` and `similarity_fn_name` of a folder's
     `config_sentence_transformers.json` (none, none and cosine without one, as sentence-transformers)."""
     path = directory / ckpt.ST_MODEL_CONFIG
-    config = read_json(path) if path.is_file() else {}
+    config = read_json(path) if os.path.lexists(path) else {}
+    if not isinstance(config, dict):
+        raise ckpt.CheckpointError(f"{path} must hold a JSON object; restore it from the original checkpoint")
     return {
         "prompts": dict(config.get("prompts") or {}),
         "default_prompt_name": config.get("default_prompt_name"),

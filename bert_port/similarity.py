@@ -12,14 +12,13 @@ import heapq
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .embedding_store import INDEX, read_index
+from .embedding_store import verified_shards
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,8 @@ def quantize_embeddings(
     """(N, D) float embeddings -> numpy in `precision`, as `sentence_transformers.quantize_embeddings`:
     int8/uint8 bucket each dimension into 256 steps between its min and max (from `ranges` (2, D),
     else `calibration_embeddings`, else `embeddings` themselves); binary/ubinary pack the signs
-    into (N, ceil(D / 8)) bytes (binary shifted by -128 into int8)."""
+    into (N, ceil(D / 8)) bytes (binary shifted by -128 into int8). int8/uint8 of a single
+    embedding without `ranges` or `calibration_embeddings` is refused, as there."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not supported; use one of {', '.join(PRECISIONS)}")
     if isinstance(embeddings, Tensor):
@@ -122,6 +122,12 @@ def quantize_embeddings(
         return packed if precision == "ubinary" else (packed - 128).astype(np.int8)
     if ranges is None:
         source = embeddings if calibration_embeddings is None else np.asarray(calibration_embeddings)
+        if calibration_embeddings is None and (source.ndim == 1 or len(source) == 1):
+            raise ValueError(
+                f"cannot compute {precision} ranges from a single embedding; quantise its float32 embedding with "
+                "bert_port.similarity.quantize_embeddings(..., ranges= or calibration_embeddings= from a representative "
+                "set), as sentence-transformers asks"
+            )
         if len(source) < 100:
             log.warning(
                 "%s buckets computed from %d embeddings; pass ranges or calibration_embeddings from more for "
@@ -138,16 +144,12 @@ def quantize_embeddings(
 
 
 def embedding_shards(directory: str | os.PathLike) -> Iterator[np.ndarray]:
-    """The (n, D) embeddings of a finished `bert-port-embed` run, one shard at a time, in the
-    order of its ids (`read_embeddings(directory)[0]`): only one shard is in memory at once."""
-    from safetensors.numpy import load_file
-
-    directory = Path(directory)
-    index = read_index(directory)
-    if index is None or not index.get("complete"):
-        raise ValueError(f"{directory} is not a finished bert-port-embed run (no complete {INDEX}); run it to the end")
-    for shard in index["shards"]:
-        yield load_file(directory / shard["embeddings"])["embeddings"]
+    """The (n, D) embeddings of a finished `bert-port-embed` run, one memory-mapped shard at a
+    time, in the order of its ids (`read_embeddings(directory)[0]`). Each is checked as
+    `read_embeddings` checks it (row count, dimension, checksum) before it is given out: a
+    damaged shard is an `EmbedError` naming it, never rows under the wrong ids."""
+    for _, array in verified_shards(directory, mmap=True):
+        yield array
 
 
 def _corpus_chunks(corpus, chunk_size: int):
@@ -177,8 +179,8 @@ def semantic_search(
 
     `corpus_embeddings` is an (M, D) array or tensor, memory-mapped or not, an iterable of them
     (shards, ids numbered on across them, taken one at a time), or the output folder of a
-    `bert-port-embed` run (its shards, one in memory at a time; `corpus_id` indexes
-    `read_embeddings(folder)[0]`); it is read `corpus_chunk_size` rows at a time. `score_function` is a `similarity_fn_name` or a function
+    `bert-port-embed` run (its shards, one in memory at a time, each verified as `read_embeddings`
+    verifies it; `corpus_id` indexes `read_embeddings(folder)[0]`); it is read `corpus_chunk_size` rows at a time. `score_function` is a `similarity_fn_name` or a function
     of two matrices."""
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Encoding, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
+from .storage import bounded
 from .storage.errors import CheckpointError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -39,21 +40,23 @@ class TokenizerError(CheckpointError, ValueError):
 def load_tokenizer(directory: str | os.PathLike, max_length: int | None = None) -> Tokenizer:
     """A `tokenizers.Tokenizer` for the checkpoint in `directory`, truncating to `max_length`
     (default: the checkpoint's `model_max_length`, else 512). Raises `TokenizerError` when
-    the folder has no tokenizer files or they cannot be read or parsed."""
+    the folder has no tokenizer files or they cannot be read or parsed. Each file is read as
+    the checkpoint's other files are (`storage.bounded`): a FIFO, a device or an oversized file
+    is refused in one line naming it, and one that is there is never taken for absent."""
     directory = Path(directory)
     settings: dict = {}
     current = directory / "tokenizer_config.json"
     try:
-        if current.is_file():
-            settings = json.loads(current.read_text(encoding="utf-8"))
+        if os.path.lexists(current):
+            settings = json.loads(_read(current, bounded.JSON))
             if not isinstance(settings, dict):
                 raise ValueError(f"a JSON object is expected, got {type(settings).__name__}")
         current = directory / "tokenizer.json"
-        if current.is_file():
-            tok = Tokenizer.from_file(str(current))
-        elif (directory / "vocab.txt").is_file():
+        if os.path.lexists(current):
+            tok = Tokenizer.from_str(_read(current, bounded.TOKENIZER))
+        elif os.path.lexists(directory / "vocab.txt"):
             current = directory / "vocab.txt"
-            tok = _wordpiece_from_vocab(current, settings)
+            tok = _wordpiece_from_vocab(_read(current, bounded.TOKENIZER), settings)
         else:
             raise TokenizerError(
                 f"{directory} has neither tokenizer.json nor vocab.txt; copy the tokenizer files of the "
@@ -61,6 +64,8 @@ def load_tokenizer(directory: str | os.PathLike, max_length: int | None = None) 
             )
     except TokenizerError:
         raise
+    except bounded.RefusedFile as exc:
+        raise TokenizerError(f"refused to read {exc.path}: {exc.why}; copy the tokenizer files of the checkpoint again")
     except OSError as exc:
         raise TokenizerError(f"cannot read {current}: {exc.strerror or exc}; check that you may read it") from None
     except Exception as exc:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a corrupt file
@@ -77,11 +82,15 @@ def load_tokenizer(directory: str | os.PathLike, max_length: int | None = None) 
     return tok
 
 
-def _wordpiece_from_vocab(vocab_file: Path, settings: dict) -> Tokenizer:
-    vocab = {}
-    with open(vocab_file, encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            vocab[line.rstrip("\n")] = index
+def _read(path: Path, limit: int) -> str:
+    """A tokenizer file's text, read with a bound; links are followed, as the HF cache's are."""
+    return bounded.read_text(path, limit, folder=False)
+
+
+def _wordpiece_from_vocab(text: str, settings: dict) -> Tokenizer:
+    # One token a line, the line ends read as a file in text mode reads them (\n, \r\n or \r).
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    vocab = {line: index for index, line in enumerate(lines[:-1] if lines[-1] == "" else lines)}
     unk = settings.get("unk_token", "[UNK]")
     cls, sep = settings.get("cls_token", "[CLS]"), settings.get("sep_token", "[SEP]")
     absent = [t for t in (unk, cls, sep) if not isinstance(t, str) or t not in vocab]

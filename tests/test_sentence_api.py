@@ -57,8 +57,8 @@ def test_encode_precision_equals_sentence_transformers(encoder, st_reference, pr
     assert (diff > 0).mean() <= 0.01
     if precision.endswith("int8"):
         assert diff.max() <= 1
-    tensor = encoder.encode(TEXTS[0], precision=precision, convert_to_tensor=True)
-    assert isinstance(tensor, torch.Tensor) and tensor.shape == expected[0].shape
+    tensor = encoder.encode(TEXTS[:2], precision=precision, convert_to_tensor=True)
+    assert isinstance(tensor, torch.Tensor) and tensor.shape == expected[:2].shape
 
 
 def test_prompt_names_and_query_document(minilm_path, st_reference):

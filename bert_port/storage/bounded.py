@@ -20,10 +20,15 @@ from .errors import CheckpointError, human_bytes
 SMALL = 1 << 20  # staging lists, cache refs, run settings
 JSON = 16 << 20  # journals, shard indexes, modules.json, an embedding run's index
 IDS = 256 << 20  # an embedding shard's ids file
+TOKENIZER = 256 << 20  # tokenizer.json or vocab.txt (a multilingual tokenizer.json runs to tens of MiB)
 
 
 class RefusedFile(CheckpointError):
-    """A file of a run or checkpoint folder that is not a regular file of bounded size inside it."""
+    """A file of a run or checkpoint folder that is not a regular file of bounded size inside it.
+    `path` is the file and `why` what it is instead, for callers that advise otherwise."""
+
+    path: Path | None = None
+    why: str = ""
 
 
 def _kind(mode: int) -> str:
@@ -38,7 +43,9 @@ def _kind(mode: int) -> str:
 
 
 def _refuse(path: Path, why: str) -> RefusedFile:
-    return RefusedFile(f"refused to read {path}: {why}. Delete it or restore the file this package wrote")
+    error = RefusedFile(f"refused to read {path}: {why}. Delete it or restore the file this package wrote")
+    error.path, error.why = path, why
+    return error
 
 
 def check_inside(path: Path, folder: Path | bool | None = None) -> None:
