@@ -94,6 +94,18 @@ def _check_runtime_option(name: str, value: Any) -> None:
         raise ConfigError(f"attn_implementation {value!r} is unknown; use one of {ATTN_IMPLEMENTATIONS}")
 
 
+def _label_ids(id2label: dict) -> dict[int, str]:
+    """`id2label` with int keys (JSON's are strings), numbered 0..N-1: the classifier's outputs
+    are the labels by position, so a gap leaves an output without a label and a label without one."""
+    keys = sorted(map(str, id2label), key=lambda k: (len(k), k))
+    if keys != [str(i) for i in range(len(keys))]:
+        raise ConfigError(
+            f"id2label must number its labels 0 to {len(keys) - 1} without gaps, got ids {', '.join(keys[:10])}"
+            f"{' ...' if len(keys) > 10 else ''}; renumber them from 0 (and label2id to match)"
+        )
+    return {int(k): str(v) for k, v in id2label.items()}
+
+
 def _refuse_model_type(model_type: Any) -> None:
     """A `model_type` outside the BERT family (`FAMILIES`) is refused in one line, never
     loaded as BERT: a model read with another's arithmetic loads every tensor and computes wrong
@@ -108,8 +120,14 @@ def _refuse_model_type(model_type: Any) -> None:
 
 def _family_fields(data: dict[str, Any]) -> dict[str, Any]:
     """A family's config.json in BertConfig's names: DistilBERT's `dim` read as `hidden_size`,
-    transformers' defaults where the family's differ from BERT's, the values its code fixes."""
-    family = family_of(data.get("model_type"))
+    transformers' defaults where the family's differ from BERT's, the values its code fixes; the
+    `model_type` an unambiguous `architectures` gives when it has none (`family_of`)."""
+    try:
+        family = family_of(data.get("model_type"), data.get("architectures"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if data.get("model_type") is None and data.get("architectures"):
+        data = {**data, "model_type": family.model_type}
     renamed = {family.config_names.get(k, k): v for k, v in data.items()}
     return {**family.defaults, **renamed, **family.fixed}
 
@@ -204,8 +222,7 @@ class BertConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
         if self.id2label is not None:
-            # JSON object keys are strings; HF turns them back into ints.
-            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+            self.id2label = _label_ids(self.id2label)
         if self.label2id is None and self.id2label is not None:
             self.label2id = {v: k for k, v in self.id2label.items()}
         self.validate()

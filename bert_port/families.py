@@ -11,8 +11,11 @@ DistilBERT's missing token types and pooler. docs/model_families.md says where e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # DistilBERT's config.json names of BERT's fields (transformers' DistilBertConfig; its
 # `attribute_map` aliases only the first three).
@@ -80,6 +83,21 @@ class Family:
             return port_class.startswith("Bert")
         return port_class == "BertModel" or port_class in self.tasks
 
+    def positions_problem(self, pad_token_id: object, max_position_embeddings: object) -> str | None:
+        """What is wrong when the family's positions start after the padding index (RoBERTa's
+        pad_token_id + 1) and that leaves no position for a token; None otherwise."""
+        if not self.positions_after_padding or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (pad_token_id, max_position_embeddings)
+        ):
+            return None
+        if max_position_embeddings - pad_token_id - 1 >= 1:
+            return None
+        return (
+            f"pad_token_id {pad_token_id} leaves no position for a token: {self.model_type} positions start after the "
+            f"padding index, at {pad_token_id + 1}, and max_position_embeddings is {max_position_embeddings}. Restore "
+            "pad_token_id (RoBERTa's is 1) or max_position_embeddings from the original checkpoint"
+        )
+
     def architecture(self, port_class: str) -> str:
         """transformers' class of a port class in this family: BertForTokenClassification ->
         RobertaForTokenClassification; a port class named after its family (ElectraForPreTraining) itself."""
@@ -142,6 +160,40 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(model_type: str | None) -> Family:
-    """The family of a `model_type` (None, as old config.json files leave it: BERT)."""
-    return FAMILIES[model_type or "bert"]
+def family_of(model_type: str | None, architectures: object = None) -> Family:
+    """The family of a `model_type`. A config.json without one (as old ones are) is read from
+    its `architectures` when every class there is one family's, and the log says so; classes of
+    several families, or of none this port computes, are a `ValueError` (transformers' AutoConfig
+    refuses every config.json without a `model_type`). Neither: BERT, as `transformers.BertConfig` reads it."""
+    if model_type or not architectures:
+        return FAMILIES[model_type or "bert"]
+    names = list(architectures) if isinstance(architectures, (list, tuple)) else [architectures]
+    found = {name: _family_of_class(name) for name in names}
+    families = {f.model_type for f in found.values() if f is not None}
+    if len(families) != 1 or None in found.values():
+        unknown = [repr(n) for n, f in found.items() if f is None]
+        why = f"{', '.join(unknown)} of no family this port computes" if unknown else "classes of several families"
+        raise ValueError(
+            f"config.json has no model_type, and its architectures {names} name {why}; add the model_type of the "
+            f"model (one of {', '.join(map(repr, FAMILIES))}) to config.json, or load it with transformers"
+        )
+    family = FAMILIES[families.pop()]
+    log.warning(
+        "config.json has no model_type; its architectures %s are %s classes, so it is read as model_type %r. "
+        "Add that model_type to config.json to say so",
+        names,
+        family.class_prefix,
+        family.model_type,
+    )
+    return family
+
+
+def _family_of_class(name: object) -> Family | None:
+    """The family of a transformers class name (`RobertaForMaskedLM`: RoBERTa), or None."""
+    if not isinstance(name, str):
+        return None
+    for family in FAMILIES.values():
+        rest = name.removeprefix(family.class_prefix)
+        if rest != name and (rest in ("Model", "LMHeadModel") or rest.startswith("For")):
+            return family
+    return None

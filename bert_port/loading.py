@@ -27,7 +27,7 @@ from torch import Tensor
 from . import checkpoint as ckpt
 from . import speed
 from .base_bert import BertPreTrainedModel, meta_init
-from .config import BertConfig
+from .config import BertConfig, ConfigError
 from .devices import resolve_device
 from .loader_arguments import (
     check_finite_mode,
@@ -132,8 +132,12 @@ def _read_snapshot(cls, path, config_file, revision, cache_dir, config, kwargs):
 
 def read_checkpoint(files: ckpt.CheckpointFiles, config: BertConfig) -> ckpt.Weights:
     """The checkpoint's tensors (memory-mapped for safetensors) and their file spans, refused
-    before any module is built when the config asks for layers the file lacks. Call it inside
-    `ckpt.read_snapshot(files.directory)`, so that config and weights come from one save."""
+    before any module is built when the config leaves no position for a token or asks for layers
+    the file lacks. Call it inside `ckpt.read_snapshot(files.directory)`, so that config and
+    weights come from one save."""
+    problem = config.family.positions_problem(config.pad_token_id, config.max_position_embeddings)
+    if problem:
+        raise ConfigError(f"{files.config_file}: {problem}")
     weights = ckpt.read_weights(files.weights_file)
     ckpt.check_layer_count(weights.tensors, config.num_hidden_layers, str(files.weights_file))
     return weights
@@ -330,18 +334,11 @@ def check_kinds_and_shapes(
         k for k in tensors if k in expected and k not in set(mismatched) and _wrong_kind(tensors[k], expected[k])
     ]
     if account.missing or account.unexpected or mismatched or wrong_kind:
-        raise ckpt.CheckpointError(
-            ckpt.mismatch_message(
-                source,
-                incoming.name,
-                incoming.tensors,
-                expected,
-                account.missing,
-                account.unexpected,
-                mismatched,
-                wrong_kind,
-            )
+        missing, unexpected = account.missing, account.unexpected
+        message = ckpt.mismatch_message(
+            source, incoming.name, tensors, expected, missing, unexpected, mismatched, wrong_kind
         )
+        raise ckpt.CheckpointError(message)
 
 
 def _stacklevel_outside_package() -> int:
