@@ -8,6 +8,8 @@ from torch import Tensor
 
 from .config import BertConfig
 
+ID_DTYPES = (torch.long, torch.int32)
+
 
 def check_inputs(
     config: BertConfig,
@@ -29,6 +31,8 @@ def check_inputs(
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+    _check_not_meta(dict(zip(names, (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds))))
     B, T = _input_shape(config, input_ids, inputs_embeds)
     if input_ids is not None:
         _check_range("input_ids", input_ids, config.vocab_size, "the vocabulary (vocab_size)")
@@ -52,6 +56,15 @@ def check_inputs(
             _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
     if attention_mask is not None:
         _check_mask(attention_mask, B, T, past_length)
+
+
+def _check_not_meta(inputs: dict[str, Tensor | None]) -> None:
+    for name, tensor in inputs.items():
+        if tensor is not None and tensor.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device, which holds shapes but no values; pass real values on the "
+                "model's device (the tokenizer's output, for one)"
+            )
 
 
 def _input_shape(config: BertConfig, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
@@ -110,6 +123,8 @@ def _check_mask(attention_mask: Tensor, B: int, T: int, past_length: int = 0) ->
 def _check_range(name: str, ids: Tensor, upper: int, what: str) -> None:
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be integer ids (torch.long), got {ids.dtype}")
+    if ids.dtype not in ID_DTYPES:  # an embedding lookup takes int64 or int32 indices only
+        raise ValueError(f"{name} must be torch.long (or torch.int32) ids, got {ids.dtype}; convert it with .long()")
     if torch.compiler.is_compiling():
         return  # min/max on the host would be a data-dependent branch in the traced graph
     lo, hi = int(ids.min()), int(ids.max())

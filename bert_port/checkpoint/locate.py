@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage import bounded
-from ..storage.errors import CheckpointError
+from ..storage.errors import CheckpointError, link_loop
 from ..storage.names import CONFIG_NAME, WEIGHT_NAMES
 
 
@@ -180,6 +180,10 @@ def _weights_in(folder: Path, asked: str, cached: bool) -> Path:
             if not candidate.is_symlink():
                 continue
             what = "a link to a file that does not exist"
+        except OSError as exc:
+            if link_loop(candidate) is None:
+                raise
+            what = f"a symbolic link loop ({exc.strerror})"
         raise CheckpointError(f"{where}: {name} is {what}, so the weights cannot be read. {fix}")
     present = sorted(x.name for x in folder.iterdir())[:20]
     raise CheckpointError(
@@ -209,6 +213,9 @@ def _resolve(path: str | os.PathLike, revision: str, cache_dir: str | os.PathLik
     p = Path(path).expanduser()
     if p.exists():
         return p, False
+    loop = link_loop(p)
+    if loop is not None:
+        raise loop
     if isinstance(path, str) and is_repo_id(path):
         return find_in_hf_cache(path, revision, cache_dir), True
     raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
@@ -223,6 +230,9 @@ def _locate_checkpoint(
     else:
         weights, directory = p, p.parent
     config = Path(config_file) if config_file is not None else directory / CONFIG_NAME
+    loop = link_loop(config)
+    if loop is not None:
+        raise loop
     if not config.is_file():
         raise CheckpointError(
             f"no config for checkpoint {weights}: expected {config}. Put the model's config.json beside the weights",

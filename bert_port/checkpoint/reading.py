@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..storage.bounded import JSON, read_text
-from ..storage.errors import CheckpointError, short_list
+from ..storage.errors import CheckpointError, link_loop, short_list
 from ..storage.journal import InvalidJournal, State, read_journal
 from ..storage.locking import shared_lock
 from ..storage.names import JOURNAL, ST_MODULES, plain_name
@@ -106,6 +106,9 @@ def st_module_folders(directory: str | os.PathLike) -> list[str]:
 def _unreadable(path: Path, exc: OSError) -> CheckpointError:
     """A file the OS will not give us (permissions, a directory, an I/O error), as opposed
     to one whose bytes are wrong."""
+    loop = link_loop(path)
+    if loop is not None:
+        return loop
     return CheckpointError(
         f"cannot read {path}: {exc.strerror or exc}. Check that the file exists and that you may read it"
     )
@@ -219,6 +222,9 @@ def _read_index(path: Path) -> Weights:
             f"{short_list([repr(b)[:100] for b in bad])}. A shard is a .safetensors or .bin file beside the index: "
             "restore the index from the original checkpoint"
         )
+    loop = next((e for e in (link_loop(path.parent / s) for s in shards) if e is not None), None)
+    if loop is not None:
+        raise loop
     missing = [s for s in shards if not _is_file(path.parent / s)]
     if missing:
         raise CheckpointError(

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 from collections.abc import Mapping
 
 
@@ -36,6 +38,20 @@ class CheckpointError(Exception):
         if flag is None:
             return self._with_hint(None)
         return self._with_hint(f"{flag} {'<path>' if self.value is None else self.value}")
+
+
+def link_loop(path: str | os.PathLike) -> CheckpointError | None:
+    """The error to raise when `path` is a symbolic link loop (following it only ever reaches
+    another link), else None: a loop is not a missing or unreadable file, and says so."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return CheckpointError(
+                f"{path} is a symbolic link loop: following it leads back to a link, never to a file. "
+                "Replace it with the file (or a link to the file) it should be"
+            )
+    return None
 
 
 def short_list(names: list[str], limit: int = 20) -> str:
