@@ -51,8 +51,9 @@ def _read_parquet(path: Path) -> tuple[list[dict], list[int]]:
         raise DataError(
             f"{path}: reading Parquet needs pyarrow (pip install pyarrow); or save it as .csv or .jsonl"
         ) from None
-    try:
-        rows = pq.read_table(path).to_pylist()
+    try:  # one file, read on this thread: `read_table`'s dataset layer can stall in its thread pool
+        with open(path, "rb") as f:
+            rows = pq.ParquetFile(f).read(use_threads=False).to_pylist()
     except (pyarrow.ArrowException, OSError) as exc:
         raise DataError(f"cannot read {path} as Parquet ({str(exc)[:200]}); check that it is a Parquet file") from None
     if not rows:
