@@ -1,7 +1,7 @@
-"""A full disk in any writer is one line and exit 2, with the last good state intact (issue 39,
-item 4): save, convert, fine-tune, pretrain, embed and predict, each against a real full
-filesystem (a small tmpfs mounted for the test; where the test may not mount one, it is
-skipped, and `test_training_faults.py` injects ENOSPC at the write instead)."""
+"""A full disk in any writer is one line and exit 2, with the last good state intact, and the
+line names only files that exist: save, convert, fine-tune, pretrain, embed and predict, each
+against a real full filesystem (a small tmpfs mounted for the test; where the test may not
+mount one, it is skipped, and `test_training_faults.py` injects ENOSPC at the write instead)."""
 
 from __future__ import annotations
 
@@ -137,22 +137,41 @@ def test_fine_tuning_onto_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(
     assert not _temporaries(out)
 
 
+def test_fine_tuning_out_of_space_before_its_first_checkpoint_offers_no_resume(small_disk, tiny, capsys):
+    """8 MB: the run's own files fit, its first checkpoint (16 MB) does not. The line names no
+    checkpoint and no --resume, and the run it says to start again is not refused."""
+    out = small_disk("8m") / "run"
+    args = finetune_args(tiny, tiny["ckpt"], out, "--save-steps", "1", "--epochs", "1")
+    assert run_finetune(*args) == 2
+    line = _one_error_line(capsys.readouterr().err, "no space left", "no checkpoint was written yet", "run it again")
+    assert "--resume" not in line and "last-checkpoint" not in line and "--overwrite" not in line
+    assert not (out / "checkpoints" / "last-checkpoint.pt").exists() and not _temporaries(out)
+    assert run_finetune(*args) == 2  # started again as said: not refused, out of space again
+    _one_error_line(capsys.readouterr().err, "no space left", "no checkpoint was written yet")
+
+
 def test_pretraining_onto_a_full_disk_is_one_line_not_a_safetensors_traceback(small_disk, tiny, tmp_path, capsys):
+    """6 MB: the first model (3.9 MB) and metrics.json fit, the first training state does not:
+    the line offers a fresh start with --overwrite (metrics.json is there), not a --resume."""
     from bert_port.cli import pretrain as pretrain_cli
 
     texts = builtin_splits("mr")["train"].texts
     (tmp_path / "train.txt").write_text("\n".join(texts[:48]) + "\n")
     (tmp_path / "validation.txt").write_text("\n".join(texts[48:68]) + "\n")
     (tmp_path / "tiny.json").write_text(json.dumps({**TINY, "vocab_size": 30522}))
-    out = small_disk("6m") / "run"  # the first model (3.9 MB) fits, its training state does not
+    out = small_disk("6m") / "run"
     args = [
         *("--config", tmp_path / "tiny.json", "--train", tmp_path / "train.txt"),
         *("--validation", tmp_path / "validation.txt", "--output-dir", out, "--block-size", "32"),
         *("--batch-size", "8", "--device", "cpu", "--max-steps", "2", "--save-steps", "1", "--eval-steps", "1"),
     ]
     assert pretrain_cli.main([str(a) for a in args]) == 2
-    _one_error_line(capsys.readouterr().err, "no space left")
+    line = _one_error_line(capsys.readouterr().err, "no space left", "no checkpoint was written yet")
+    assert "--resume" not in line and "last-checkpoint" not in line and "run it again with --overwrite" in line
+    assert not (out / "checkpoints" / "last-checkpoint.pt").exists() and (out / "metrics.json").is_file()
     assert not _temporaries(out)
+    assert pretrain_cli.main([str(a) for a in [*args, "--overwrite"]]) == 2  # not refused: out of space again
+    _one_error_line(capsys.readouterr().err, "no space left")
 
 
 def test_embedding_onto_a_full_disk_keeps_the_finished_shards(small_disk, tiny, tmp_path, minilm_path, capsys):

@@ -44,7 +44,7 @@ from .lm_data import BlockCollator, LMSplits, load_lm_texts, loss_function, make
 from .lm_settings import PretrainConfig, model_config_path
 from .masking import Masking
 from .recipe import FinetuneRecipe
-from .reporting import resolved_config, write_json
+from .reporting import full_disk_said, resolved_config, write_json
 from .run_folder import RESOLVED_CONFIG
 from .settings import FinetuneError
 from .steps import Dist, ResumableSampler, autocast, set_seed
@@ -227,7 +227,8 @@ class PretrainRecipe(FinetuneRecipe):
     def train(self) -> dict[str, Any]:
         """One evaluation before the first step (the model as it starts), then train."""
         if self.global_step == 0 and not self.history["evaluations"]:
-            self.evaluate()
+            with full_disk_said(self.out, lambda: self.global_step):
+                self.evaluate()
         return super().train()
 
     def _metrics_on(self, model: nn.Module, collate, split: str) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from .reporting import (
     RunShape,
     TensorBoardLog,
     compare_with,
+    full_disk_said,
     metrics_document,
     plot_curves,
     resolved_config,
@@ -132,7 +133,8 @@ class FinetuneRecipe:
         if cfg.resume:
             self.resume()
         if d.is_main:
-            self._write_run_files()
+            with full_disk_said(self.out, lambda: self.global_step):
+                self._write_run_files()
             if cfg.report_to == "tensorboard":
                 # A resumed run drops what the interrupted one logged after its checkpoint.
                 purge = self.global_step + 1 if cfg.resume else None
@@ -255,13 +257,15 @@ class FinetuneRecipe:
         return self.global_step >= self.total_steps or self.history["early_stopping"]["stopped_early"]
 
     def train(self) -> dict[str, Any]:
-        """Train to the end (or an interruption, or an early stop); returns the metrics."""
-        with StopRequest() as stop:
-            while not self.done() and self.status != "stopped":
-                self.train_epoch(stop)
-        if self.status != "stopped":
-            self.status = "completed"
-        return self.finish()
+        """Train to the end (or an interruption, or an early stop); returns the metrics. A full
+        disk is one line naming what there is to go on from (`reporting.full_disk_said`)."""
+        with full_disk_said(self.out, lambda: self.global_step):
+            with StopRequest() as stop:
+                while not self.done() and self.status != "stopped":
+                    self.train_epoch(stop)
+            if self.status != "stopped":
+                self.status = "completed"
+            return self.finish()
 
     def train_epoch(self, stop: StopRequest) -> None:
         """The steps of the epoch that `global_step` lies in, from there on, each followed by

@@ -5,9 +5,12 @@ Every file is written through `checkpoint.atomic_write` (a temporary name, renam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,34 @@ from .. import checkpoint as ckpt
 from ..extras import MissingExtra, install_hint, require
 from ..problem import ProblemType
 from ..tagged import write_split
-from .run_folder import DATA_DIR, RESOLVED_CONFIG
+from .resume import state_file
+from .run_folder import DATA_DIR, METRICS_FILE, RESOLVED_CONFIG
+from .settings import FinetuneError
 
 log = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
+
+
+@contextlib.contextmanager
+def full_disk_said(out: Path, step: Callable[[], int]) -> Iterator[None]:
+    """A full disk (ENOSPC, EDQUOT) inside the block as a `FinetuneError` of one line that names
+    only what exists to go on from: the checkpoint a `--resume` reads when there is one, else that
+    there is none yet (a run stopped before its first checkpoint starts again). `step()` is the
+    step the run had reached. Every write is staged, so nothing is half-written."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f"no space left on the device of {out} ({exc.strerror}{f': {exc.filename}' if exc.filename else ''})"
+        state = state_file(out)
+        if state is not None:
+            then = f"{state} holds the last checkpoint. Free some space, then continue with --resume"
+        else:
+            again = " with --overwrite" if (out / METRICS_FILE).is_file() else ""
+            then = f"no checkpoint was written yet, so there is nothing to resume. Free some space, then run it again{again}"
+        raise FinetuneError(f"{where} at step {step()}; nothing was half-written, and {then}") from None
 
 
 def write_json(obj: Any, path: Path) -> None:
