@@ -1,7 +1,12 @@
 """A sentence-transformers folder, read: which modules `modules.json` lists (a Transformer, then
 Pooling and optionally Normalize), the pooling modes of `1_Pooling/config.json`, the settings
 of `sentence_bert_config.json`, and `pool`, the pooling as sentence-transformers computes it.
-`SentenceEncoder` (sentence.py) runs what these return."""
+`SentenceEncoder` (sentence.py) runs what these return.
+
+Each file is read as the checkpoint's own files are (`storage.bounded`): a FIFO, a device or an
+oversized file is refused in one line naming it, and a file that is there, whatever it is, is
+never taken for absent. Module paths are checked as sentence-transformers checks them (relative,
+no `..`). Links are followed, as for the weights: the hub cache's files are links into its blobs."""
 
 from __future__ import annotations
 
