@@ -25,6 +25,7 @@ PACKAGE = ROOT / "bert_port"
 LAYERS = [
     ("bert_port.cli", 3),
     ("bert_port.bench", 3),
+    ("bert_port.serve", 3),
     ("bert_port.training", 2),
     ("bert_port.embed", 2),
     ("bert_port.parity", 2),

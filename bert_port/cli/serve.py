@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from bert_port.serve import app as serve_app
+        from bert_port.serve.app import create_app
+        from bert_port.serve.state import ServeSettings
         from bert_port.serve.tasks import load_task
     except ImportError as exc:
         print(
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    settings = serve_app.ServeSettings(
+    settings = ServeSettings(
         model_name=args.served_model_name or _model_name(args.model),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_batch_tokens=args.max_batch_tokens,
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(message)
         server.should_exit = True
 
-    app = serve_app.create_app(settings, load, on_failure=stop)
+    app = create_app(settings, load, on_failure=stop)
     config = uvicorn.Config(
         app,
         host=args.host,

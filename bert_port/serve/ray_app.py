@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 
 from ..extras import require
-from .app import ServeSettings, create_app
+from .app import create_app
+from .state import ServeSettings
 from .tasks import load_task
 
 

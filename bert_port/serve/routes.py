@@ -12,7 +12,6 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .app import ServeError, ServerState
 from .schemas import (
     DecodeRequest,
     EmbedAllRequest,
@@ -22,6 +21,7 @@ from .schemas import (
     RerankRequest,
     TokenizeRequest,
 )
+from .state import ServeError, ServerState
 from .tasks import ClassifierTask, EmbeddingTask, InputError, one_label
 
 

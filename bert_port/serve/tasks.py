@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,7 @@ class ClassifierTask:
 def guess_task(model_dir: Path) -> str:
     """The task a checkpoint folder is for: a sentence-transformers folder or a plain encoder
     embeds; a config whose architecture is a sequence or token classifier classifies or tags."""
-    if (model_dir / ST_MODULES).is_file():
+    if os.path.lexists(model_dir / ST_MODULES):  # present, whatever it is: SentenceEncoder judges it
         return "embed"
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))

@@ -20,6 +20,7 @@ from ..config import BertConfig, ConfigError
 from ..data import TextDataset
 from ..devices import resolve_device
 from ..problem import ProblemType, config_label_names
+from ..storage import bounded
 from ..threads import governed
 from ..tokenization import encode, load_tokenizer
 from .evaluation import predict as predict_scores
@@ -189,8 +190,8 @@ def cross_encoder_activation(model_dir: Path, config: BertConfig) -> str | None:
     its releases keep it: `config_sentence_transformers.json` (6.x), config.json's
     `sentence_transformers` (4.x, 5.x), `sbert_ce_default_activation_function` (older)."""
     try:
-        st_config = json.loads((model_dir / ST_MODEL_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        st_config = json.loads(bounded.read_text(model_dir / ST_MODEL_CONFIG, bounded.JSON, folder=False))
+    except (FileNotFoundError, ValueError):
         st_config = {}
     in_config = config.extra.get("sentence_transformers")
     for found in (
