@@ -57,7 +57,7 @@ def test_a_link_planted_at_a_temporary_name_is_never_written_through(sources, tm
     planted.symlink_to(victim)
     assert convert([str(sources[0]), str(dst), "--to", "onnx"]) == 0
     out = capsys.readouterr().out
-    assert victim.read_text() == "not yours to overwrite"
+    assert victim.read_bytes() == b"not yours to overwrite"
     onnx_file = dst / "model.onnx"
     assert onnx_file.is_file() and not onnx_file.is_symlink()
     assert planted.is_symlink()  # not this command's file: left alone
