@@ -71,7 +71,7 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 @dataclass(frozen=True)
 class Int8Accuracy:
     """What int8 must keep of float32 on real text (2,000 MR sentences in the bench, fewer in
-    the tests), against float32 of the same model in the same run: the bar of issue 25, which
+    the tests), against float32 of the same model in the same run: the bar, which
     is CTranslate2 int8's accuracy on an AVX-512 VNNI CPU, rounded (the int8 peer a user would
     pick; on AVX2 CPUs CTranslate2 itself stays below it)."""
 

@@ -1,4 +1,4 @@
-"""Same text, same bits (issue 24): a text's real-token hidden states, pooler output, head
+"""Same text, same bits: a text's real-token hidden states, pooler output, head
 logits and sentence embedding are bitwise equal alone and in any batch, in any order, with
 any padding, on the default path; `bert-port-predict` and `SentenceEncoder.encode` give the
 same bits for every batch size; two fine-tuning runs with one seed give the same bits.

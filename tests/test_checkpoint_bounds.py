@@ -1,5 +1,5 @@
 """Run and checkpoint files are read as what they claim to be, and a copied folder is judged
-as its original (issue 39, items 1 and 2).
+as its original.
 
 - A journal, staging list or shard index that is a FIFO, a device, a link out of the folder
   or an oversized file is refused in one line naming it: nothing hangs, nothing grows.

@@ -1,4 +1,4 @@
-"""A load sees one whole save or fails clearly, and never writes (issue 22).
+"""A load sees one whole save or fails clearly, and never writes.
 
 - Loads in other processes race a writer that alternates two saves and two layouts: every
   load returns one save whole.

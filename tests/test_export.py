@@ -16,7 +16,7 @@ from bert_port import BertConfig, BertModel, encode, load_tokenizer
 from bert_port.bench.harness import config_override
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-# Issue 11's bar for the exported program against the eager model on the same (padded) path.
+# The bar for the exported program against the eager model on the same (padded) path.
 EXPORT_ATOL = 1e-6
 
 

@@ -1,4 +1,4 @@
-"""The jobs on the BERT family (issue 42, deliverable 4): `bert-port-embed` on sentence-transformers
+"""The jobs on the BERT family: `bert-port-embed` on sentence-transformers
 folders built on RoBERTa and DistilBERT writes sentence-transformers' embeddings, and int8 loads
 the family's layers and keeps its bar against the family's float32."""
 

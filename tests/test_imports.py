@@ -41,7 +41,7 @@ LAYERS = [
 ]
 LAYER_NAMES = {0: "model", 1: "loading/saving", 2: "training/embed/sentence/parity", 3: "cli/bench/facade"}
 
-# Known circles: none (issue 40 removed the last four); a new one fails `test_no_new_import_circle`.
+# Known circles: none; a new one fails `test_no_new_import_circle`.
 KNOWN_CIRCLES: list[frozenset[str]] = []
 
 # Known climbs (importer, imported), each to be removed.

@@ -50,7 +50,7 @@ def test_every_module_is_in_the_layout_table_and_every_row_exists():
             assert not missing, f"the row for {pkg} does not name {missing}"
 
 
-MAX_LINES = 450  # issue 40: a module a reader takes in at one sitting; split by job, not by line count
+MAX_LINES = 450  # a module a reader takes in at one sitting; split by job, not by line count
 
 
 def test_no_module_is_over_the_line_cap():

@@ -1,4 +1,4 @@
-"""No metric from nothing (issue 39, item 3): data that gives no training signal is refused
+"""No metric from nothing: data that gives no training signal is refused
 with its cause, a metric over zero items is an error, and a new model's vocabulary must be
 its tokenizer's."""
 

@@ -1,4 +1,4 @@
-"""Fault injection for `bert-port-finetune` and `bert-port-predict` (issue 16: nothing lost,
+"""Fault injection for `bert-port-finetune` and `bert-port-predict` (nothing lost,
 nothing half-written, nothing silently wrong). Each test plants one failure a careless or
 hostile user (or `kill -9`) could cause and checks the promise: the run is refused before
 it does work, or stops without saving anything from a broken state, with a typed error
@@ -245,7 +245,7 @@ def test_per_class_detail_is_kept_for_few_classes(trained):
 
 
 # -----------------------------------------------------------------------------------------
-# Issue 22: outputs touch only their own files; labels; resume on changed data; a full disk
+# Outputs touch only their own files; labels; resume on changed data; a full disk
 
 
 def test_predict_leaves_unrelated_files_in_the_output_folder(trained, data, tmp_path):

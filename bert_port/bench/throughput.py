@@ -298,7 +298,7 @@ def section_real_text(args, device: torch.device, bf16: bool, report) -> dict[st
 
 
 def section_real_text_one_thread(args, device: torch.device, bf16: bool, report) -> dict[str, Any]:
-    """The real-text section again at 1 thread, peers included (issue 25's goals hold at 1 and
+    """The real-text section again at 1 thread, peers included (the goals hold at 1 and
     at 2 threads), where the bench runs on the CPU at more; the thread count is put back."""
     saved = torch.get_num_threads()
     if device.type != "cpu" or saved == 1:
