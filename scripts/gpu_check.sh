@@ -2,7 +2,8 @@
 # The GPU checks, prepared as one run for a machine with CUDA that cannot install anything: the
 # `gpu`-marked tests, the parity check on the GPU (fp32, bf16, fp16), and the bench's real-text
 # and fixed-length sections on the GPU (fp32, bf16 and varlen rows against transformers' sdpa).
-# The device tool's H200 has what it needs but the bundled data: its python3 holds torch with CUDA, transformers, safetensors, tokenizers, sentence-transformers, pytest.
+# The device tool's H200 has what it needs but the bundled data: its python3 holds torch with
+# CUDA, transformers, safetensors, tokenizers, sentence-transformers, pytest.
 #
 # The bundled checkpoint (87 MiB) is larger than what one call of the device tool carries
 # (64 MiB), so it travels in two halves, in two calls to one warm machine:
