@@ -97,6 +97,9 @@ def usable_cpus(root: str | os.PathLike = CGROUP_ROOT, membership: str | os.Path
     return max(1, min(cpus, math.ceil(limit)) if limit is not None else cpus)
 
 
+_WARNED: set[tuple[str, int, int]] = set()
+
+
 def capped(threads: int, flag: str = "--threads") -> int:
     """`threads`, or the CPUs this process may use when it asks for more (`usable_cpus`), said in a
     warning: threads beyond them only wait for each other, and tens of thousands exhaust the
@@ -104,10 +107,12 @@ def capped(threads: int, flag: str = "--threads") -> int:
     usable = usable_cpus()
     if threads <= usable:
         return threads
-    log.warning(
-        "%s %d is more than the %d CPU(s) this process may use (its CPU affinity and cgroup quota); using %d",
-        flag, threads, usable, usable,
-    )  # fmt: skip
+    if (flag, threads, usable) not in _WARNED:  # once: a server or an encode loop sets it per batch
+        _WARNED.add((flag, threads, usable))
+        log.warning(
+            "%s %d is more than the %d CPU(s) this process may use (its CPU affinity and cgroup quota); using %d",
+            flag, threads, usable, usable,
+        )  # fmt: skip
     return usable
 
 
