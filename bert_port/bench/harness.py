@@ -76,6 +76,11 @@ class Row:
     timed: Callable[[dict[str, Tensor]], object] | None = None
 
 
+class RowFailed(RuntimeError):
+    """A row that cannot go on (a peer whose process stopped answering, died or failed the
+    call: `peers.PeerProcess`). `interleave` reports it and times the other rows without it."""
+
+
 def progress(iterable: Iterable, desc: str, total: int | None = None):
     from tqdm import tqdm
 
@@ -96,28 +101,48 @@ def interleave(
     seed: int = 0,
     warmup: int = 1,
     pause: float = 0.0,
+    report: Report | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per repetition (one pass over `inputs`) of every variant. Within a
     repetition the variants take turns on each input, in a shuffled order, `pause` seconds
-    apart (untimed: the threads a variant leaves spinning stop before the next one starts)."""
+    apart (untimed: the threads a variant leaves spinning stop before the next one starts).
+    A variant that raises `RowFailed` is reported (in `report`, else on stderr) and left out
+    from then on, its times NaN; the others go on."""
     rng = random.Random(seed)
+    failed: set[str] = set()
+
+    def call(name: str, batch) -> bool:
+        try:
+            variants[name](batch)
+        except RowFailed as exc:
+            failed.add(name)
+            reason = str(exc).splitlines()[0].removeprefix(f"{name}: ")
+            line = f"{name}: failed, its figures are NaN: {reason}"
+            if report is not None:
+                report.line(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+            return False
+        return True
+
     for _ in range(warmup):
-        for fn in variants.values():
-            fn(inputs[0])
+        for name in variants:
+            if name not in failed:
+                call(name, inputs[0])
     times = {name: [0.0] * reps for name in variants}
     for step in progress(range(reps * len(inputs)), desc):
         rep, item = divmod(step, len(inputs))
-        order = list(variants)
+        order = [name for name in variants if name not in failed]
         rng.shuffle(order)
         for name in order:
             if pause:
                 time.sleep(pause)
             sync(device)
             t = time.perf_counter()
-            variants[name](inputs[item])
+            ran = call(name, inputs[item])
             sync(device)
-            times[name][rep] += time.perf_counter() - t
-    return times
+            times[name][rep] += time.perf_counter() - t if ran else 0.0
+    return {name: [float("nan")] * reps if name in failed else ts for name, ts in times.items()}
 
 
 def ratio(reference: list[float], times: list[float]) -> float:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import pickle
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,51 +31,83 @@ from torch import Tensor
 
 from bert_port.extras import MissingExtra, install_hint, require
 
-from .harness import Forward, Row
+from . import peer_worker
+from .harness import Forward, Row, RowFailed
 
 log = logging.getLogger(__name__)
 
 NAMES = ("input_ids", "attention_mask", "token_type_ids")
 WORKER = Path(__file__).with_name("peer_worker.py")
+# Seconds a PeerProcess waits for each step's reply: a build may quantize a model (NNCF, 300
+# calibration sentences) on a loaded 2-core machine; a run is one batch.
+DEADLINES = {"build": 600.0, "run": 300.0, "state": 60.0}
 
 
 class PeerProcess:
     """`peer_worker.py` in a child process: one CPU peer built and run there, each call
     timed here as a row of the bench (the request and a small reply cross a pipe; the hidden
     state comes back only for the parity pass). Started on the first `build`, ended by
-    `stack`. A child that dies fails its rows, never the bench; one that does not end within
-    a minute of its input closing is killed."""
+    `stack`, in an environment with the peers' telemetry off (`peer_worker.ENVIRONMENT`).
 
-    def __init__(self, stack: contextlib.ExitStack) -> None:
+    Nothing waits on it forever: each request is written, and its reply read, within its
+    step's deadline (`DEADLINES`, or the `deadlines` given). A child that misses one is killed;
+    that call, a call to a child that died, and every later call to its rows raise `RowFailed`,
+    one line that names the row, the step and what happened (a failure the child reports
+    raises it too, with the child's traceback): the bench reports the row as failed and goes
+    on. A child that does not end within a minute of its input closing is killed."""
+
+    def __init__(self, stack: contextlib.ExitStack, deadlines: dict[str, float] | None = None) -> None:
         self.stack = stack
+        self.deadlines = {**DEADLINES, **(deadlines or {})}
         self.process: subprocess.Popen | None = None
+        self.failed: str | None = None  # why the child is gone, once it is
 
     def build(self, name: str, kind: str, options: dict[str, Any]) -> Row:
         if self.process is None:
-            self.process = subprocess.Popen(
-                [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-            self.stack.callback(self.close)
-        self._ask(("build", name, kind, options))
+            self._start()
+        self._ask(name, ("build", name, kind, options))
 
         def forward(batch: dict[str, Tensor]) -> Tensor:
-            return torch.from_numpy(self._ask(("run", name, _feeds(batch), True)))
+            return torch.from_numpy(self._ask(name, ("run", name, _feeds(batch), True)))
 
         def timed(batch: dict[str, Tensor]) -> None:  # the same call, the output left there
-            self._ask(("run", name, _feeds(batch), False))
+            self._ask(name, ("run", name, _feeds(batch), False))
 
         return Row(forward, timed=timed)
 
-    def _ask(self, message: tuple) -> Any:
+    def state(self) -> dict[str, Any]:
+        """What the child holds (`peer_worker.state`): its threads, forks, imported modules."""
+        return self._ask("peer process", ("state", None))
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, **peer_worker.ENVIRONMENT},
+        )
+        os.set_blocking(self.process.stdin.fileno(), False)  # written to within a deadline
+        self.stack.callback(self.close)
+
+    def _ask(self, name: str, message: tuple) -> Any:
+        step = message[0]
+        if self.failed:
+            raise RowFailed(f"{name}: not run ({step}), its peer process failed earlier: {self.failed}")
+        deadline = time.monotonic() + self.deadlines[step]
         try:
-            pickle.dump(message, self.process.stdin)
-            self.process.stdin.flush()
-            status, reply = pickle.load(self.process.stdout)
+            _write(self.process.stdin.fileno(), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), deadline)
+            status, reply = pickle.loads(_read_reply(self.process.stdout.fileno(), deadline))
+        except TimeoutError:
+            pid = self.process.pid
+            self.process.kill()
+            self._end()
+            self.failed = f"no answer to {step!r} within {self.deadlines[step]:g} s; its process ({pid}) was killed"
+            raise RowFailed(f"{name}: {self.failed}") from None
         except (EOFError, BrokenPipeError, pickle.UnpicklingError):
-            code = self._end()
-            raise RuntimeError(f"the peer process exited with code {code} (its stderr is above)") from None
-        if status != "ok":
-            raise RuntimeError(f"in the peer process:\n{reply}")
+            self.failed = f"the peer process exited with code {self._end()} (its stderr is above)"
+            raise RowFailed(f"{name}: {self.failed}") from None
+        if status != "ok":  # the child's traceback, its last line first
+            raise RowFailed(f"{name}: in the peer process: {reply.strip().splitlines()[-1]}\n{reply}")
         return reply
 
     def close(self) -> None:
@@ -88,6 +123,50 @@ class PeerProcess:
             code = self.process.wait()
         self.process.stdout.close()
         return code
+
+
+def _write(fd: int, data: bytes, deadline: float) -> None:
+    """All of `data` into the (non-blocking) pipe `fd` by `deadline` (time.monotonic), else
+    TimeoutError: a child that reads nothing more cannot hold the bench."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:  # the pipe is full
+            _wait(fd, deadline, write=True)
+
+
+def _read_reply(fd: int, deadline: float) -> memoryview:
+    """One reply of the child (its length, then its pickle) from the pipe `fd` by `deadline`,
+    else TimeoutError; EOFError where the child closed it first. A small reply comes in one
+    read; nothing follows a reply (the child answers one request at a time)."""
+    head = peer_worker.REPLY_LENGTH.size
+    first = b""
+    while len(first) < head:
+        _wait(fd, deadline)
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise EOFError
+        first += chunk
+    data = bytearray(head + peer_worker.REPLY_LENGTH.unpack_from(first)[0])
+    data[: len(first)] = first
+    view, got = memoryview(data), len(first)
+    while got < len(data):
+        _wait(fd, deadline)
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError
+        got += n
+    return view[head:]
+
+
+def _wait(fd: int, deadline: float, write: bool = False) -> None:
+    """Until `fd` can be written (`write`) or read, else TimeoutError at `deadline`. A pipe whose
+    other end is closed counts as ready: the write or read that follows says so."""
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT if write else select.POLLIN)
+    if not poll.poll(max(0, (deadline - time.monotonic()) * 1000)):
+        raise TimeoutError
 
 
 def _feeds(batch: dict[str, Tensor]) -> dict[str, Any]:
@@ -238,7 +317,11 @@ PEERS: dict[str, tuple[str, ...]] = {
 
 
 def importable(module: str) -> bool:
-    """Whether `module` imports (found is not enough: a broken install fails on import)."""
+    """Whether `module` imports (found is not enough: a broken install fails on import).
+    OpenVINO and NNCF import with their telemetry kept out of this process, as of the workers
+    (`peer_worker.keep_out`): NNCF starts its own at import, and the bench sends nothing."""
+    if module.partition(".")[0] in ("openvino", "nncf"):
+        peer_worker.keep_out(("openvino_telemetry",))
     try:
         require(module)
     except MissingExtra:
