@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from bert_port.speed import kernels
+
+    # This process's own allocator: activations in mappings of their own, returned when freed,
+    # so the resident memory stays flat under a long load (as bert-port-embed sets it).
+    kernels.map_large_blocks()
     settings = ServeSettings(
         model_name=args.served_model_name or _model_name(args.model),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -1,10 +1,12 @@
 """One inference loop per model, fed by a queue, batching by token budget.
 
 Requests put their items on the queue and await a future. The loop, a thread of its own (torch
-releases the GIL, so the event loop keeps answering), takes everything waiting, drops the items
-of requests whose client has gone, sorts the rest by length and cuts them into batches of at
-most `max_batch_tokens` tokens: the items of one request may be split across batches, and items
-of many requests may share one. A request's future is set when its last item is done.
+releases the GIL, so the event loop keeps answering), takes what arrived before each forward,
+drops the requests whose client has gone, sorts the waiting requests by length (the tokens they
+have left, shortest first) and cuts the next forward from the front, at most `max_batch_tokens`
+tokens: the items of one request may be split across forwards, and items of many requests may
+share one. A request's future is set when its last item is done. A short request thus never
+waits for more than the forward in progress and the shorter requests before it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Work:
     left: int = 0
     dropped: bool = False  # the client went away or the request timed out: skip what is left
     started: bool = False  # its first batch has run (its queue time is recorded once)
+    next: int = 0  # its first item not yet put in a batch
 
     def __post_init__(self):
         self.results = [None] * len(self.items)
@@ -49,38 +52,43 @@ def _settle(future: asyncio.Future, value: Any = None, error: BaseException | No
         future.set_result(value)
 
 
-def cut_batches(units: list[tuple[Work, int]], max_batch_tokens: int) -> list[list[tuple[Work, int]]]:
-    """(work, index) units cut into batches: grouped by op and by pair or not (one forward takes
-    one kind), sorted by length, each batch at most `max_batch_tokens` tokens (an item longer than
-    that goes alone)."""
+def _kind(item: Item) -> tuple[str, bool]:
+    return item.op, item.pair is not None  # one forward takes one op, and texts or pairs
 
-    def key(unit):
-        item = unit[0].items[unit[1]]
-        return item.op, item.pair is not None, item.tokens
 
-    batches, current, tokens, kind = [], [], 0, None
-    for unit in sorted(units, key=key):
-        item = unit[0].items[unit[1]]
-        unit_kind = (item.op, item.pair is not None)
-        if current and (unit_kind != kind or tokens + item.tokens > max_batch_tokens):
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(unit)
-        tokens += item.tokens
-        kind = unit_kind
-    if current:
-        batches.append(current)
-    return batches
+def next_batch(pending: list[Work], max_batch_tokens: int) -> list[tuple[Work, int]]:
+    """The next forward's (work, index) units: requests sorted by the tokens they have left
+    (shortest first, then oldest), their next items taken in order up to `max_batch_tokens`
+    tokens, all of the first one's kind. A request may be split across forwards and many share
+    one; an item longer than the budget goes alone."""
+    order = sorted(pending, key=lambda w: (sum(it.tokens for it in w.items[w.next :]), w.queued_at))
+    kind = _kind(order[0].items[order[0].next])
+    batch, tokens = [], 0
+    for w in order:
+        i = w.next
+        while i < len(w.items) and _kind(w.items[i]) == kind:
+            if batch and tokens + w.items[i].tokens > max_batch_tokens:
+                return batch
+            batch.append((w, i))
+            tokens += w.items[i].tokens
+            i += 1
+    return batch
 
 
 class Batcher:
     """The queue and the inference thread. `run(op, items) -> results` computes one batch;
-    `observe(batch_items, queue_seconds, inference_seconds)` records each batch (metrics)."""
+    `observe(batch_items, queue_seconds, inference_seconds)` records each batch (metrics);
+    `tidy()` runs between forwards, at most once every `TIDY_S` seconds (the server gives the
+    heap's free pages back there)."""
 
-    def __init__(self, run: Callable[[str, list[Item]], list[Any]], max_batch_tokens: int, observe=None):
+    TIDY_S = 2.0
+
+    def __init__(self, run: Callable[[str, list[Item]], list[Any]], max_batch_tokens: int, observe=None, tidy=None):
         self.run = run
         self.max_batch_tokens = max_batch_tokens
         self.observe = observe or (lambda *_: None)
+        self.tidy = tidy
+        self._tidied = time.monotonic()
         self._waiting: list[Work] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -114,22 +122,31 @@ class Batcher:
             self._cv.notify()
         return work
 
-    def _take(self) -> list[Work] | None:
+    def _take(self, wait: bool) -> list[Work] | None:
+        """What arrived since the last call; with `wait`, block until something does (None once
+        stopping with nothing left)."""
         with self._cv:
-            while not self._waiting and not self._stopping:
+            while wait and not self._waiting and not self._stopping:
                 self._cv.wait()
-            if not self._waiting:
+            if wait and not self._waiting:
                 return None
             taken, self._waiting = self._waiting, []
             return taken
 
     def _loop(self) -> None:
-        while (taken := self._take()) is not None:
-            units = [(w, i) for w in taken if not w.dropped for i in range(len(w.items))]
-            for batch in cut_batches(units, self.max_batch_tokens):
-                live = [(w, i) for w, i in batch if not w.dropped]
-                if live:
-                    self._run_batch(live)
+        """Between forwards, take what arrived, so a short request does not wait behind the whole
+        queue: each forward is `next_batch` of everything pending."""
+        pending: list[Work] = []
+        while (taken := self._take(wait=not pending)) is not None:
+            pending = [w for w in pending + taken if not w.dropped and w.next < len(w.items)]
+            if pending:
+                batch = next_batch(pending, self.max_batch_tokens)
+                for w, i in batch:
+                    w.next = i + 1
+                self._run_batch(batch)
+            if self.tidy is not None and time.monotonic() - self._tidied > self.TIDY_S:
+                self.tidy()
+                self._tidied = time.monotonic()
 
     def _run_batch(self, batch: list[tuple[Work, int]]) -> None:
         items = [w.items[i] for w, i in batch]

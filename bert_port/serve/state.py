@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..speed import kernels
 from .batching import Batcher
 from .metrics import Metrics
 from .tasks import Item
@@ -32,6 +33,9 @@ class ServeSettings:
     payload_limit: int = 2_000_000  # bytes of a request body
     body_timeout: float = 30.0  # seconds for a request body to arrive whole
     request_timeout: float = 120.0  # seconds from queueing to the answer
+    # Give the heap's free pages back between batches (glibc): batches of changing shapes leave
+    # freed activations in the heap, and the resident memory of a long-running server grows.
+    trim_heap: bool = True
 
 
 class ServeError(Exception):
@@ -63,7 +67,8 @@ class ServerState:
         """Load the model, start the inference loop, run one batch to warm it; then ready."""
         try:
             task = self.load()
-            batcher = Batcher(task.run, self.settings.max_batch_tokens, self.metrics.observe_batch)
+            tidy = kernels.trim_heap if self.settings.trim_heap else None
+            batcher = Batcher(task.run, self.settings.max_batch_tokens, self.metrics.observe_batch, tidy)
             warm = (
                 task.prepare(["warm up"], "embed", True)
                 if task.kind == "embed"
