@@ -129,7 +129,7 @@ def embedding_card(metrics: dict[str, Any]) -> str:
         "",
         (
             f"A sentence-transformers model fine-tuned from `{base}` on the `{cfg['dataset']}` pairs with the "
-            f"`{cfg['loss']}` loss (in-batch negatives) by bert_port. `SentenceTransformer(folder)` and "
+            f"`{cfg['loss']}` loss by bert_port. `SentenceTransformer(folder)` and "
             "`bert_port.SentenceEncoder.from_pretrained(folder)` load it."
         ),
         "",
@@ -143,7 +143,7 @@ def embedding_card(metrics: dict[str, Any]) -> str:
     shown = ("batch_size", "max_steps", "lr", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay")
     shown += ("scale", "symmetric", "bf16", "seed")
     lines += [f"- {k}: {cfg[k]}" for k in shown if k in cfg]  # an older run's metrics lack the newer settings
-    lines += ["", "## Retrieval on the held-out pairs", "", "| metric | before | after |", "|---|---|---|"]
+    lines += ["", "## Evaluation on the validation rows", "", "| metric | before | after |", "|---|---|---|"]
     for name in sorted(metrics["after"]):
         lines.append(f"| {name} | {metrics['before'][name]:.4f} | {metrics['after'][name]:.4f} |")
     return "\n".join(lines + _versions()) + "\n"
