@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 from .prediction import Predictor
 from .recipe import FinetuneRecipe
 from .reference import require_reference
-from .resume import CHECKPOINTS_DIR, LAST_CHECKPOINT
+from .reporting import full_disk_said
 from .settings import FinetuneConfig, FinetuneError, TrainingSettings, load_config_file
 from .steps import setup_distributed
 
@@ -65,17 +64,9 @@ def run_recipe(recipe_class: type[FinetuneRecipe], cfg: TrainingSettings) -> dic
     require_reference(cfg.reference)
     recipe = recipe_class(cfg, setup_distributed(cfg.device))
     try:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack, full_disk_said(Path(cfg.output_dir), lambda: recipe.global_step):
             recipe.setup(stack)
             return recipe.train()
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise FinetuneError(
-            f"no space left on the device of {cfg.output_dir} ({exc.strerror}{f': {exc.filename}' if exc.filename else ''}) "
-            f"at step {recipe.global_step}; nothing was half-written, and {CHECKPOINTS_DIR}/{LAST_CHECKPOINT} holds "
-            "the last checkpoint. Free some space, then continue with --resume"
-        ) from None
     finally:
         recipe.cleanup()
 
