@@ -108,7 +108,8 @@ def setup_infinity(venv: Path) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
     subprocess.run([*pip, f"torch=={TORCH_VERSION}"], check=True)
     subprocess.run([*pip, f"infinity-emb[torch,server]=={INFINITY_VERSION}"], check=True)
-    subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, infinity_emb"], check=True)
+    with tempfile.TemporaryDirectory() as tmp:  # infinity_emb may make .infinity_cache in the cwd
+        subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, infinity_emb"], check=True, cwd=tmp)
 
 
 def _get(url: str, timeout: float) -> int:
