@@ -54,7 +54,6 @@ from .reporting import (
     write_run_files,
 )
 from .resume import (
-    LAST_CHECKPOINT,
     TrainingParts,
     check_resumable,
     data_identity,
@@ -95,7 +94,7 @@ class FinetuneRecipe:
     def __init__(self, cfg: FinetuneConfig, dist_info: Dist):
         self.cfg, self.d = cfg, dist_info
         self.out = Path(cfg.output_dir)
-        self.last_path = state_path(self.out)  # where it writes; a resume may read an older run's (`state_file`)
+        self.last_path = state_path(self.out)  # where it writes, and a resume reads
         self.t_start = time.perf_counter()
         self.global_step = 0
         self.status = "running"
@@ -236,7 +235,6 @@ class FinetuneRecipe:
             self.last_path.parent.mkdir(exist_ok=True)
             run = dict(progress=self.progress(), history=self.history, labels=self.splits.names, data=self.data)
             save_state(training_state(self.parts(), rngs, config=dataclasses.asdict(self.cfg), **run), self.last_path)
-            (self.out / LAST_CHECKPOINT).unlink(missing_ok=True)  # an older version's, beside the model: superseded
         self.d.barrier()
 
     def parts(self) -> TrainingParts:

@@ -78,12 +78,9 @@ def state_path(out: Path) -> Path:
 
 
 def state_file(out: Path) -> Path | None:
-    """The state a `--resume` in `out` reads: `checkpoints/last-checkpoint.pt`, or an older
-    version's `last-checkpoint.pt` beside the model; None when there is neither."""
-    for path in (state_path(out), Path(out) / LAST_CHECKPOINT):
-        if path.is_file():
-            return path
-    return None
+    """The state a `--resume` in `out` reads, `checkpoints/last-checkpoint.pt`; None when there is none."""
+    path = state_path(out)
+    return path if path.is_file() else None
 
 
 @dataclasses.dataclass

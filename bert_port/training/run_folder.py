@@ -62,7 +62,7 @@ def check_output_dir(cfg: TrainingSettings, out: Path) -> None:
     names, and a `--compare-to` that is no folder."""
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
-    found = state_file(out)  # this version's checkpoints/, or an older run's file beside the model
+    found = state_file(out)
     if cfg.resume and found is None:
         raise FinetuneError(
             f"--resume: no {CHECKPOINTS_DIR}/{LAST_CHECKPOINT} in {out} (the run stopped before its first checkpoint, "
