@@ -154,7 +154,8 @@ def test_a_planted_journal_is_not_obeyed_by_a_load(tmp_path):
     ckpt.write_weights(planted.hf_state_dict(), tmp_path / "elsewhere")
     tmp = ".model.safetensors.abcdefgh.tmp"
     (tmp_path / tmp).write_bytes((tmp_path / "elsewhere" / "model.safetensors").read_bytes())
-    plan = {"format": 2, "rename": [[tmp, "model.safetensors", [1, 2, 3], None]], "remove": [["vocab.txt", [4, 5, 6]]]}
+    rename = [tmp, "model.safetensors", [1, 2, 3], None, "0" * 64]
+    plan = {"format": 3, "rename": [rename], "remove": [["vocab.txt", [4, 5, 6]]]}
     (tmp_path / ckpt.JOURNAL).write_text(json.dumps(plan))
     before = _snapshot(tmp_path)
     loaded = BertModel.from_pretrained(tmp_path)

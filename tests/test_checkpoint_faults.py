@@ -242,7 +242,7 @@ def test_repair_needs_write_access_and_says_so(tmp_path, monkeypatch):
         {"rename": [], "remove": ["notes.txt"]},
         {"rename": [[".x.abcdefgh.tmp", "../../escape"]], "remove": []},
         {"rename": [["config.json", "model.safetensors"]], "remove": []},
-        {"format": 2, "rename": [[".x.abcdefgh.tmp", "1_Pooling/../../x", [1, 2, 3], None]], "remove": []},
+        {"format": 3, "rename": [[".x.abcdefgh.tmp", "1_Pooling/../../x", [1, 2, 3], None, "0" * 64]], "remove": []},
         "not json",
     ],
     ids=["remove-escape", "remove-user-file", "rename-escape", "rename-non-temporary", "folder-escape", "garbage"],

@@ -73,7 +73,7 @@ def read_snapshot(directory: str | os.PathLike) -> Iterator[None]:
                 "%s: ignoring %s, which is not a commit journal this package wrote (%s)", directory, JOURNAL, exc
             )
             journal = None
-        if journal is not None and journal.state(directory) in (State.LIVE, State.LEGACY):
+        if journal is not None and journal.state(directory) is State.LIVE:
             raise CheckpointError(
                 f"{directory} holds a save that was interrupted after its commit point ({JOURNAL}): its files are "
                 f"part old, part new, and a load would mix two models. Finish that save with "

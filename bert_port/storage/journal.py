@@ -29,7 +29,7 @@ from pathlib import Path
 from .bounded import JSON, RefusedFile, read_text
 from .names import JOURNAL, TEMPORARY, removable, staged_name
 
-FORMAT = 3  # 3: each rename carries the staged file's SHA-256; 2 is read (identities only)
+FORMAT = 3  # each rename carries the staged file's identity and SHA-256
 Identity = tuple[int, int, int]  # (st_ino, st_mtime_ns, st_size); a folder's is (st_ino, 0, 0)
 
 
@@ -66,14 +66,14 @@ class Rename:
     target: str  # a name in the folder, or `{module folder}/{name}`
     new: Identity  # the temporary's identity, which the target has once renamed
     old: Identity | None  # the target's identity when the save committed (None: absent)
-    sha256: str = ""  # the staged file's content ("" in a format-2 journal: identity only)
+    sha256: str  # the staged file's content
 
     def holds_new(self, path: Path) -> bool:
         """`path` holds the staged file: the same inode, or (a copy) the same bytes."""
         now = identity(path)
         if now is None or now == self.new:
             return now is not None
-        if not self.sha256 or now[2] != self.new[2] or not path.is_file() or path.is_symlink():
+        if now[2] != self.new[2] or not path.is_file() or path.is_symlink():
             return False
         return digest(path) == self.sha256
 
@@ -88,14 +88,12 @@ class State(Enum):
     LIVE = "live"  # the save is half done and nothing else has written since: finish it
     DONE = "done"  # every rename and removal happened; only the journal is left
     STALE = "stale"  # another writer changed the folder since: never replay it
-    LEGACY = "legacy"  # an older bert_port's journal (no identities): cannot be judged, so never replayed
 
 
 @dataclass(frozen=True)
 class Journal:
     renames: tuple[Rename, ...]
     removals: tuple[Removal, ...]
-    legacy: bool = False
 
     def to_json(self) -> str:
         return json.dumps(
@@ -108,10 +106,6 @@ class Journal:
 
     def state(self, directory: Path) -> State:
         """LIVE, DONE or STALE, from the files present now (stat only; nothing is changed)."""
-        if self.legacy:  # only existence can be judged
-            left = any((directory / r.tmp).exists() for r in self.renames)
-            left |= any((directory / r.name).exists() for r in self.removals)
-            return State.LEGACY if left else State.DONE
         pending = done = changed = False
         for r in self.renames:
             tmp = directory / r.tmp
@@ -130,13 +124,8 @@ class Journal:
         if changed:
             # Written since, or copied without mtimes: stale, unless part of this save is
             # provably in place and part still staged, and the folder is a mix either way.
-            return State.LIVE if done and pending and not self.legacy_identities else State.STALE
+            return State.LIVE if done and pending else State.STALE
         return State.LIVE if pending else State.DONE
-
-    @property
-    def legacy_identities(self) -> bool:
-        """A format-2 journal: renames matched by inode only, so "in place" is never proven for a copy."""
-        return not all(r.sha256 for r in self.renames)
 
 
 class InvalidJournal(ValueError):
@@ -154,22 +143,14 @@ def _parse(plan: object) -> Journal:
     renames, removals = plan["rename"], plan["remove"]
     if not isinstance(renames, list) or not isinstance(removals, list):
         raise InvalidJournal("rename and remove must be lists")
-    if plan.get("format") in (None, 1):  # format 1: [[tmp, target]], [name]
-        legacy = Journal(
-            tuple(Rename(tmp, target, (0, 0, 0), None) for tmp, target in renames),
-            tuple(Removal(n, (0, 0, 0)) for n in removals),
-            legacy=True,
-        )
-        return legacy
-    if plan.get("format") not in (2, FORMAT):
+    if plan.get("format") != FORMAT:
         raise InvalidJournal(f"unknown format {plan.get('format')!r}")
     return Journal(tuple(_rename(entry) for entry in renames), tuple(Removal(n, _identity_of(o)) for n, o in removals))
 
 
 def _rename(entry: list) -> Rename:
-    tmp, target, new, old, *rest = entry  # format 2: no digest
-    sha256 = rest[0] if rest else ""
-    if len(rest) > 1 or not isinstance(sha256, str) or (sha256 and len(sha256) != 64):
+    tmp, target, new, old, sha256 = entry
+    if not isinstance(sha256, str) or len(sha256) != 64:
         raise InvalidJournal(f"bad rename entry {entry!r:.200}")
     return Rename(tmp, target, _identity_of(new), None if old is None else _identity_of(old), sha256)
 

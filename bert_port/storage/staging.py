@@ -155,7 +155,7 @@ def _abandon_journal(directory: Path, journal: Journal) -> tuple[int, int]:
     count = size = 0
     for r in journal.renames:
         tmp = directory / r.tmp
-        if not journal.legacy and r.holds_new(tmp):  # the very file the save staged, or a copy of it
+        if r.holds_new(tmp):  # the very file the save staged, or a copy of it
             size += r.new[2]
             tmp.unlink(missing_ok=True)
             count += 1
@@ -167,7 +167,7 @@ def _abandon_journal(directory: Path, journal: Journal) -> tuple[int, int]:
 class Cleanup:
     """What cleaning a folder after killed saves did."""
 
-    journal: str = ""  # "finished", "stale", "done", "invalid", "legacy" or "" (none)
+    journal: str = ""  # "finished", "stale", "done", "invalid" or "" (none)
     files: int = 0  # temporaries deleted
     nbytes: int = 0
 
@@ -178,8 +178,6 @@ class Cleanup:
             "and its files were kept",
             "done": "removed the journal of a save that had finished",
             "invalid": f"removed {JOURNAL}, which this package did not write (not obeyed)",
-            "legacy": "removed the journal of an older bert_port's interrupted save without replaying it (it "
-            "cannot be checked against the files present): save the model there again",
         }
         parts = [said[self.journal]] if self.journal else []
         if self.files:
@@ -200,11 +198,7 @@ def _clean_journal(directory: Path, cleanup: Cleanup) -> None:
     if journal is None:
         return
     state = journal.state(directory)
-    if state is State.LEGACY:  # no identities to tell our temporaries from planted ones: never obeyed
-        (directory / JOURNAL).unlink()
-        cleanup.journal = "legacy"
-        log.warning("%s: removed the journal of an older bert_port's interrupted save, unreplayed", directory)
-    elif state is State.LIVE:
+    if state is State.LIVE:
         _apply_journal(directory, journal)
         cleanup.journal = "finished"
         log.warning("%s: finished a save that was interrupted after it committed", directory)
