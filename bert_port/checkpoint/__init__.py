@@ -16,7 +16,7 @@ which sits below the model so that the data readers and the tokenizer can use it
 from __future__ import annotations
 
 from ..storage import bounded, journal, locking, names, staging
-from ..storage.errors import CheckpointError, human_bytes, mismatch_message, short_list
+from ..storage.errors import CheckpointError, human_bytes, short_list
 from ..storage.locking import DirectoryLock, shared_lock
 from ..storage.names import (
     CONFIG_NAME,
@@ -58,6 +58,7 @@ from .keys import (
     port_to_hf,
 )
 from .locate import CheckpointFiles, checkpoint_folder, find_in_hf_cache, hf_cache_dir, is_repo_id, locate_checkpoint
+from .mismatch import mismatch_message
 from .reading import REPAIR_COMMAND, FileSpan, Weights, read_snapshot, read_st_modules, read_weights, st_module_folders
 from .shards import parse_size, stage_weights, stale_weights, write_weights
 
