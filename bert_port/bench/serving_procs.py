@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,11 +167,25 @@ def stop(process: subprocess.Popen, deadline_s: float = 20.0) -> None:
         process.wait(deadline_s)
 
 
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`) end this process through its `finally` blocks, so the
+    servers it started are stopped too: by default SIGTERM ends Python without running them,
+    and a server, a session of its own, would outlive it. Only from the main thread, and only
+    where nobody set a handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit)
+
+
 @contextlib.contextmanager
 def running(spec: ServerSpec, threads: int, deadline_s: float = 300.0) -> Iterator[tuple[str, int]]:
     """Start `spec` on a free port, wait for its health route, yield its base URL and pid, stop it
     on the way out (on error too). Its output goes to a log in a temporary folder, whose end
     is shown if it fails to start; it also holds infinity's cache folder and the cwd."""
+    exit_on_sigterm()
     port = free_port()
     env = {**os.environ, **QUIET_ENV, **thread_env(threads), **spec.env}
     with tempfile.TemporaryDirectory(prefix="bert-port-serving-") as tmp:
