@@ -348,7 +348,7 @@ def test_openvino_int8_rows_build_in_their_process_with_accuracy_columns(minilm_
     """The int8 table's OpenVINO rows at `--quick` size: NNCF's quantization calibrated on MR
     sentences, one row per thread count, in a process without torch, and its accuracy against
     the port's fp32 as the section computes it for every int8 peer. That process never phones
-    home (issue 50: OpenVINO's telemetry forked from its sender threads while NNCF's backend
+    home (OpenVINO's telemetry forked from its sender threads while NNCF's backend
     probe imported torch, and the worker deadlocked): after the build it holds no thread but its
     main one, has forked nothing, imported no torch, and wrote nothing under ~/intel."""
     from bert_port.bench import peers as peer_module

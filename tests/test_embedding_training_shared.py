@@ -1,4 +1,4 @@
-"""What the embedding-model training loop shares with the fine-tuning recipe (issue 41): bf16
+"""What the embedding-model training loop shares with the fine-tuning recipe: bf16
 autocast against the fp32 run, the learning-rate schedules against transformers' in the same
 run, a stopped-and-resumed scheduled run against one run, and torchrun (2 gloo processes, each
 half of every global batch) against one process whose loss is the mean of the two half-batches'

@@ -1,6 +1,6 @@
 """The bench's peer process (`bert_port/bench/peer_worker.py`, driven by `peers.PeerProcess`):
-what it keeps out (torch, the peers' telemetry), and that no step waits on it forever (issue 50:
-`make test` hung on a worker deadlocked in OpenVINO's telemetry, read without a deadline)."""
+what it keeps out (torch, the peers' telemetry), and that no step waits on it forever (`make test`
+once hung on a worker deadlocked in OpenVINO's telemetry, read without a deadline)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ OpenVINO and NNCF telemetry. NNCF's `quantize` asks `get_backend` which framewor
 is from, and that probes torch (importing `nncf.torch`, `torch.utils.cpp_extension`,
 setuptools) whenever torch imports; meanwhile openvino-telemetry's sender threads forked
 (`multiprocessing`) to phone home, and a fork from a thread while the main thread imports
-deadlocked the worker (issue 50). Here torch fails to import, as where it is not installed, so
+deadlocked the worker. Here torch fails to import, as where it is not installed, so
 NNCF settles on OpenVINO without it; `openvino_telemetry` fails to import too, and OpenVINO's
 converter and NNCF then use their own stubs (what they do where it is not installed), so no
 thread is started, nothing is forked or sent, and no client ID is written under ~/intel.
